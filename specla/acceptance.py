@@ -1,0 +1,96 @@
+"""Acceptance: which verified nodes become output (DESIGN §4).
+
+Both rules walk the topology from the root and return the accepted path (root first), its
+length and the token emitted after it. They are vectorised over the batch: nodes are visited
+once in topological order, and a row moves to node j only if j is a child of the row's
+current node, so children are tried in index order and a node's subtree after the node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Acceptance:
+    path: torch.Tensor  # [B, n] accepted node ids, root first, padded with 0
+    length: torch.Tensor  # [B] nodes on the path (accepted drafts + 1)
+    bonus: torch.Tensor  # [B] the token emitted after the path (target's own choice)
+
+    @property
+    def accepted(self) -> torch.Tensor:
+        return self.length - 1
+
+
+def greedy(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor) -> Acceptance:
+    """Follow the child whose token is the target's argmax (lowest id on ties, as AR)."""
+    B, n = tokens.shape
+    rows = torch.arange(B, device=tokens.device)
+    target = logits.argmax(-1)  # torch returns the first maximal index
+    cur = torch.zeros(B, dtype=torch.long, device=tokens.device)
+    path = torch.zeros(B, n, dtype=torch.long, device=tokens.device)
+    length = torch.ones(B, dtype=torch.long, device=tokens.device)
+    for j in range(1, n):
+        move = (parents[:, j] == cur) & (tokens[:, j] == target[rows, cur])
+        path[rows, length.clamp(max=n - 1)] = torch.where(move, j, path[rows, length.clamp(max=n - 1)])
+        length = length + move.long()
+        cur = torch.where(move, j, cur)
+    return Acceptance(path, length, target[rows, cur])
+
+
+def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """The distribution AR sampling draws from: softmax(logits / T), then nucleus (top-p) filtering."""
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    if top_p < 1.0:
+        sp, idx = probs.sort(dim=-1, descending=True, stable=True)
+        keep = (sp.cumsum(-1) - sp) < top_p  # keep the smallest prefix whose mass reaches top_p
+        sp = sp * keep
+        probs = torch.zeros_like(probs).scatter_(-1, idx, sp)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, draft_probs: torch.Tensor | None,
+           temperature: float, top_p: float, generator: torch.Generator | None = None) -> Acceptance:
+    """Lossless acceptance for chains and trees: recursive rejection sampling over siblings.
+
+    `draft_probs[b, j]` is the distribution node j's token was drawn from, given its parent's
+    path and its earlier siblings; None means every node is a deterministic proposal (point
+    mass), e.g. top-k children. At the current node with residual target r, child c with
+    token x is accepted with probability min(1, r(x) / q_c(x)); on rejection
+    r <- norm(max(r - q_c, 0)). After the last try the emitted token is drawn from r. For a
+    chain this is Leviathan / Chen rejection sampling; the output is distributed exactly as
+    the target's (SpecInfer's multi-draft argument, one child at a time).
+    """
+    B, n = tokens.shape
+    dev = tokens.device
+    rows = torch.arange(B, device=dev)
+    p = target_probs(logits, temperature, top_p)  # [B, n, V] float64
+    resid = p[:, 0].clone()
+    cur = torch.zeros(B, dtype=torch.long, device=dev)
+    path = torch.zeros(B, n, dtype=torch.long, device=dev)
+    length = torch.ones(B, dtype=torch.long, device=dev)
+    u = torch.rand(B, n, generator=generator, device=dev, dtype=torch.float64)
+    for j in range(1, n):
+        cand = parents[:, j] == cur
+        x = tokens[:, j]
+        if draft_probs is None:
+            q = torch.nn.functional.one_hot(x, p.shape[-1]).double()
+        else:
+            q = draft_probs[:, j].double()
+        rx, qx = resid[rows, x], q[rows, x]
+        accept = cand & (u[:, j] * qx < rx)  # u < r(x)/q(x) without dividing by a zero q(x)
+        reject = cand & ~accept
+        left = (resid - q).clamp(min=0)
+        mass = left.sum(-1, keepdim=True)
+        # r == q can only be rejected with probability 0; keep r then rather than divide by 0
+        left = torch.where(mass > 0, left / mass.clamp(min=1e-300), resid)
+        resid = torch.where(reject[:, None], left, torch.where(accept[:, None], p[:, j], resid))
+        slot = length.clamp(max=n - 1)
+        path[rows, slot] = torch.where(accept, j, path[rows, slot])
+        length = length + accept.long()
+        cur = torch.where(accept, j, cur)
+    bonus = torch.multinomial(resid, 1, generator=generator)
+    return Acceptance(path, length, bonus.squeeze(1))

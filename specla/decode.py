@@ -1,0 +1,224 @@
+"""The decode loop: prefill, then rounds of draft -> verify -> accept -> commit (DESIGN §2-5).
+
+Routes (`ROUTES`): `ar` consumes one token per step through the plain sequence path;
+the speculative routes verify a drafter's topology and commit the accepted path from factor
+records (delayed by default: the GDN update is folded into the next verify).
+
+The loop runs B rows at once (each row its own prompt, draft and acceptance). The public
+API generates one sequence (B = 1); the batched form exists so tests can draw many samples.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from specla import acceptance
+from specla.drafters.base import DraftContext, Drafter
+from specla.errors import InputError
+from specla.model import Model
+
+ROUTES = ("ar", "chain", "tree")
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise InputError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class RoundStats:
+    drafted: int  # draft nodes verified (root excluded)
+    accepted: int  # draft tokens accepted
+    emitted: int  # tokens emitted this round (accepted + the target's own token, after truncation)
+    first_token_match: bool | None  # first (best-ranked) draft token == target's greedy token
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    route: str
+    rounds: list[RoundStats] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    stop_reason: str = "max_new_tokens"
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per target call (accepted drafts + 1), as EAGLE's τ."""
+        return sum(r.emitted for r in self.rounds) / max(len(self.rounds), 1)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.tokens) / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+    @property
+    def first_token_match(self) -> float:
+        m = [r.first_token_match for r in self.rounds if r.first_token_match is not None]
+        return sum(m) / len(m) if m else float("nan")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Decoder:
+    def __init__(self, model: Model, route: str = "ar", drafter: Drafter | None = None,
+                 sampling: Sampling | None = None, delayed: bool = True,
+                 eos_token_ids: tuple[int, ...] | set[int] = (), max_context: int | None = None,
+                 prefill_chunk: int = 2048):
+        if route not in ROUTES:
+            raise InputError(f"unknown route {route!r}; choose one of {', '.join(ROUTES)}")
+        if route != "ar" and drafter is None:
+            raise InputError(f"route {route!r} needs a drafter")
+        self.model = model
+        self.route = route
+        self.drafter = drafter
+        self.sampling = sampling or Sampling()
+        self.delayed = delayed
+        self.eos = set(int(e) for e in eos_token_ids)
+        self.max_context = max_context or model.cfg.max_position_embeddings
+        self.prefill_chunk = prefill_chunk
+
+    # input checks ----------------------------------------------------------------------------
+    def _check(self, prompts: torch.Tensor, max_new_tokens: int) -> None:
+        if max_new_tokens <= 0:
+            raise InputError(f"max_new_tokens must be positive, got {max_new_tokens}")
+        if prompts.shape[1] == 0:
+            raise InputError("the prompt is empty")
+        if prompts.shape[1] > self.max_context:
+            raise InputError(f"the prompt has {prompts.shape[1]} tokens, more than the maximum context "
+                             f"of {self.max_context}")
+        V = self.model.cfg.vocab_size
+        bad = (prompts < 0) | (prompts >= V)
+        if bool(bad.any()):
+            raise InputError(f"token id {int(prompts[bad][0])} is out of range for vocabulary size {V}")
+
+    # the loop --------------------------------------------------------------------------------
+    def generate(self, prompt_ids: list[int], max_new_tokens: int,
+                 on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+        prompts = torch.tensor([list(prompt_ids)], dtype=torch.long)
+        rows, result, _ = self.run(prompts, max_new_tokens, on_tokens)
+        result.tokens = rows[0]
+        return result
+
+    def run(self, prompts: torch.Tensor, max_new_tokens: int,
+            on_tokens: Callable[[list[int]], None] | None = None):
+        """Generate for B prompts of equal length. Returns (tokens per row, stats of row 0, cache)."""
+        self._check(prompts, max_new_tokens)
+        model, dev = self.model, self.model.device
+        prompts = prompts.to(dev)
+        B, T = prompts.shape
+        gen = None
+        if not self.sampling.greedy:
+            gen = torch.Generator(device=dev)
+            gen.manual_seed(self.sampling.seed if self.sampling.seed is not None else torch.seed())
+        capture = self.drafter.capture if self.drafter is not None else ()
+        if self.drafter is not None:
+            self.drafter.reset(B)
+        result = GenerationResult(tokens=[], route=self.route)
+
+        _sync(dev)
+        t0 = time.perf_counter()
+        cache = model.new_cache(B, max_len=T + max_new_tokens + 64)
+        for s in range(0, T - 1, self.prefill_chunk):
+            chunk = prompts[:, s:min(s + self.prefill_chunk, T - 1)]
+            out = model.forward(chunk, cache, capture)
+            if self.drafter is not None:
+                self.drafter.extend(chunk, out.hidden, torch.full((B,), chunk.shape[1], device=dev))
+        _sync(dev)
+        t1 = time.perf_counter()
+        result.prefill_seconds = t1 - t0
+
+        hist = prompts.tolist()
+        emitted: list[list[int]] = [[] for _ in range(B)]
+        done = [False] * B
+        root = prompts[:, -1]
+        while not all(done):
+            if self.route == "ar":
+                new, stats = self._ar_step(root, cache, gen)
+            else:
+                new, stats = self._spec_round(hist, root, cache, gen, capture, emitted, done, max_new_tokens)
+            for b in range(B):
+                if done[b]:
+                    continue
+                toks = new[b][: max_new_tokens - len(emitted[b])]
+                for i, t in enumerate(toks):
+                    if t in self.eos:
+                        toks = toks[: i + 1]
+                        break
+                emitted[b] += toks
+                hist[b] += toks
+                if toks and toks[-1] in self.eos:
+                    done[b] = True
+                    if b == 0:
+                        result.stop_reason = "eos"
+                elif len(emitted[b]) >= max_new_tokens:
+                    done[b] = True
+                if b == 0:
+                    stats.emitted = len(toks)
+                    if on_tokens is not None and toks:
+                        on_tokens(toks)
+            result.rounds.append(stats)
+            root = torch.tensor([h[-1] for h in hist], device=dev)
+        cache.flush()
+        _sync(dev)
+        result.decode_seconds = time.perf_counter() - t1
+        return emitted, result, cache
+
+    def _ar_step(self, root, cache, gen):
+        logits = self.model.forward(root[:, None], cache).logits[:, -1]
+        if self.sampling.greedy:
+            nxt = logits.argmax(-1)
+        else:
+            p = acceptance.target_probs(logits, self.sampling.temperature, self.sampling.top_p)
+            nxt = torch.multinomial(p, 1, generator=gen).squeeze(1)
+        return [[t] for t in nxt.tolist()], RoundStats(0, 0, 1, None)
+
+    def _spec_round(self, hist, root, cache, gen, capture, emitted, done, max_new_tokens):
+        draft = self.drafter.propose(DraftContext(hist, cache, self.sampling.temperature, gen))
+        out = self.model.verify(draft.tokens, draft.parents, cache, capture)
+        if self.sampling.greedy:
+            acc = acceptance.greedy(draft.tokens, draft.parents, out.logits)
+        else:
+            acc = acceptance.sample(draft.tokens, draft.parents, out.logits, draft.probs,
+                                    self.sampling.temperature, self.sampling.top_p, gen)
+        B = draft.tokens.shape[0]
+        rows = torch.arange(B, device=draft.tokens.device)[:, None]
+        path_tokens = draft.tokens[rows, acc.path]  # [B, n]; root first
+        lengths, paths, bonus = acc.length.tolist(), path_tokens.tolist(), acc.bonus.tolist()
+        new, commit = [], []
+        for b in range(B):
+            toks = paths[b][1:lengths[b]] + [bonus[b]]
+            r = 0 if done[b] else min(len(toks), max_new_tokens - len(emitted[b]))
+            for i, t in enumerate(toks[:r]):
+                if t in self.eos:
+                    r = i + 1
+                    break
+            new.append(toks[:r])
+            commit.append(r)  # consumes the root and the first r - 1 accepted drafts
+        length = torch.tensor(commit, device=draft.tokens.device)
+        cache.commit(out.records, acc.path, length, delayed=self.delayed)
+        if self.drafter is not None:
+            hidden = {i: h[rows, acc.path] for i, h in out.hidden.items()}
+            self.drafter.extend(path_tokens, hidden, length)
+        ftm = None
+        if draft.tokens.shape[1] > 1 and int(draft.parents[0, 1]) == 0:
+            ftm = int(draft.tokens[0, 1]) == int(out.logits[0, 0].argmax())
+        return new, RoundStats(draft.size, lengths[0] - 1, 0, ftm)

@@ -1,0 +1,68 @@
+"""The drafter interface: propose a topology from the context (DESIGN §5).
+
+A drafter sees every row's token history (ending with the root, the last emitted token),
+the target features it asked for (`capture`: hidden states of chosen target layers for every
+consumed token, delivered through `extend`), and the target's cache (ReaDy reads its states).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specla.state import Cache
+
+
+@dataclass
+class Draft:
+    tokens: torch.Tensor  # [B, n]; node 0 is the root token
+    parents: torch.Tensor  # [B, n]; topological parent array, parents[:, 0] = -1
+    # The distribution each node's token was drawn from ([B, n, V]); None: deterministic
+    # proposals (point masses), e.g. top-k children. Only sampling acceptance reads it.
+    probs: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        """Draft nodes (the root excluded), as sizes are quoted everywhere."""
+        return self.tokens.shape[1] - 1
+
+
+@dataclass
+class DraftContext:
+    history: list[list[int]]  # per row: prompt + emitted tokens; the last one is the root
+    cache: Cache
+    temperature: float = 0.0
+    generator: torch.Generator | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class Drafter:
+    """Base class; subclasses implement `propose` and, if they read target features, `extend`."""
+
+    name = "drafter"
+    capture: tuple[int, ...] = ()  # target layers whose residual stream the drafter reads
+
+    def reset(self, batch: int) -> None:
+        """Start a new generation."""
+
+    def extend(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], length: torch.Tensor) -> None:
+        """The target consumed tokens[b, :length[b]] and produced these features for them."""
+
+    def propose(self, ctx: DraftContext) -> Draft:
+        raise NotImplementedError
+
+
+def pad_drafts(rows: list[tuple[list[int], list[int]]], device=None) -> Draft:
+    """Stack per-row (tokens, parents) of different sizes into one Draft.
+
+    Short rows are padded by repeating their last node (same token, same parent). A repeated
+    later sibling is never accepted ahead of its twin, and under point-mass sampling its
+    token's residual mass is already 0, so padding changes no output.
+    """
+    n = max(len(t) for t, _ in rows)
+    toks, pars = [], []
+    for t, p in rows:
+        toks.append(t + [t[-1]] * (n - len(t)))
+        pars.append(p + [p[-1]] * (n - len(p)))
+    return Draft(torch.tensor(toks, dtype=torch.long, device=device), torch.tensor(pars, dtype=torch.long, device=device))

@@ -1,0 +1,21 @@
+"""User-facing errors: the CLI prints these as one line and exits non-zero."""
+
+
+class SpeclaError(Exception):
+    """Base class for errors caused by user input, not by a bug in specla."""
+
+
+class CheckpointError(SpeclaError):
+    """A model directory is missing, incomplete or inconsistent with its config."""
+
+
+class UnsupportedConfigError(CheckpointError):
+    """A config asks for a feature specla does not implement."""
+
+
+class InputError(SpeclaError):
+    """A prompt, token ids or generation option is invalid."""
+
+
+class TopologyError(SpeclaError):
+    """A draft topology (parent array) is malformed."""

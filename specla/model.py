@@ -1,0 +1,232 @@
+"""The target model in plain PyTorch: embeddings, Gated DeltaNet mixers, SwiGLU MLPs, LM head.
+
+Two entry points share every weight:
+- `forward(tokens, cache)`: a plain causal sequence (prefill, AR decode); updates the cache.
+- `verify(tokens, parents, cache)`: logits for every node of a draft topology plus factor
+  records (DESIGN §2); the durable state is only read (pending delayed updates aside).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from specla import ops
+from specla.config import ATTENTION, ModelConfig
+from specla.state import Cache, GDNLayerState, GDNRecord, KVLayerState
+
+
+def state_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """Recurrent state precision: fp32 for fp32/bf16/fp16 activations, fp64 for fp64 models."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.zero_centered = zero_centered
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float() if x.dtype != torch.float64 else x
+        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
+        w = self.weight.to(y.dtype)
+        return (y * (1 + w if self.zero_centered else w)).to(x.dtype)
+
+
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, eps: float, act: str) -> torch.Tensor:
+    """The GDN output norm: rmsnorm(o) * w * act(z), in o's (fp32/fp64) precision."""
+    y = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + eps) * weight.to(o.dtype)
+    if z is not None:
+        z = z.to(o.dtype)
+        y = y * (torch.sigmoid(z) if act == "sigmoid" else F.silu(z))
+    return y
+
+
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    # fla's in-kernel form: eps inside the square root
+    return x / torch.sqrt(x.square().sum(-1, keepdim=True) + 1e-6)
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GatedDeltaNet(nn.Module):
+    """GDN mixer (DESIGN §1) with one fused input projection [q | k | v | z | a | b]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.H, self.HV, self.K, self.V = cfg.num_heads, cfg.num_v_heads, cfg.head_dim, cfg.head_v_dim
+        self.split = [cfg.key_dim, cfg.key_dim, cfg.value_dim, cfg.value_dim if cfg.use_gate else 0, self.HV, self.HV]
+        self.in_proj = nn.Linear(cfg.hidden_size, sum(self.split), bias=False)
+        if cfg.use_short_conv:
+            self.conv_weight = nn.Parameter(torch.empty(cfg.conv_dim, cfg.conv_size))
+            self.conv_bias = nn.Parameter(torch.zeros(cfg.conv_dim)) if cfg.conv_bias else None
+        self.A_log = nn.Parameter(torch.zeros(self.HV))
+        self.dt_bias = nn.Parameter(torch.zeros(self.HV))
+        self.o_norm_weight = nn.Parameter(torch.ones(self.V))
+        self.o_proj = nn.Linear(cfg.value_dim, cfg.hidden_size, bias=False)
+        self.scale = self.K ** -0.5
+
+    def new_state(self, batch: int, device, dtype) -> GDNLayerState:
+        S = torch.zeros(batch, self.HV, self.K, self.V, device=device, dtype=state_dtype_for(dtype))
+        conv = None
+        if self.cfg.use_short_conv:
+            conv = torch.zeros(batch, self.cfg.conv_dim, self.cfg.conv_size - 1, device=device, dtype=dtype)
+        return GDNLayerState(S, conv)
+
+    def _project(self, h):
+        x, z, a, b = torch.split(self.in_proj(h), [sum(self.split[:3])] + self.split[3:4] + self.split[4:], dim=-1)
+        return x, (z if self.cfg.use_gate else None), a, b
+
+    def _factors(self, xc, a, b, sdt):
+        """Conv output -> per-head q, k (l2-normalised), v, log-decay g, beta, in state precision."""
+        B, n, _ = xc.shape
+        q, k, v = torch.split(xc.to(sdt), self.split[:3], dim=-1)
+        q = l2norm(q.reshape(B, n, self.H, self.K))
+        k = l2norm(k.reshape(B, n, self.H, self.K))
+        v = v.reshape(B, n, self.HV, self.V)
+        g = -self.A_log.to(sdt).exp() * F.softplus(a.to(sdt) + self.dt_bias.to(sdt))
+        beta = torch.sigmoid(b.to(sdt))
+        if self.cfg.allow_neg_eigval:
+            beta = beta * 2
+        return q, k, v, g, beta
+
+    def _output(self, o, z, dtype):
+        B, n = o.shape[:2]
+        zz = None if z is None else z.reshape(B, n, self.HV, self.V)
+        y = gated_rms_norm(o, zz, self.o_norm_weight, self.cfg.gdn_norm_eps, self.cfg.gate_activation)
+        return self.o_proj(y.reshape(B, n, -1).to(dtype))
+
+    def forward(self, h, st: GDNLayerState):
+        st.flush()
+        x, z, a, b = self._project(h)
+        xc = ops.conv_sequence(x, st.conv, self.conv_weight, self.conv_bias) if st.conv is not None else F.silu(x)
+        q, k, v, g, beta = self._factors(xc, a, b, st.S.dtype)
+        o = ops.gdn_sequence(q, k, v, g, beta, st.S, self.scale)
+        return self._output(o, z, h.dtype)
+
+    def verify(self, h, parents, st: GDNLayerState):
+        x, z, a, b = self._project(h)
+        if st.conv is not None:
+            xc = ops.tree_conv(x, st.conv, self.conv_weight, self.conv_bias, parents)
+        else:
+            xc = F.silu(x)
+        q, k, v, g, beta = self._factors(xc, a, b, st.S.dtype)
+        o, u = ops.gdn_tree_verify(q, k, v, g, beta, st.S, parents, self.scale, st.pending)
+        st.pending = None
+        rec = GDNRecord(x=x if st.conv is not None else None, k=k, g=g, u=u)
+        return self._output(o, z, h.dtype), rec
+
+
+def make_mixer(cfg: ModelConfig, layer: int) -> nn.Module:
+    if cfg.layer_types[layer] == ATTENTION:
+        from specla.attention import GatedAttention
+
+        return GatedAttention(cfg)
+    return GatedDeltaNet(cfg)
+
+
+def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
+    if cfg.is_moe_layer(layer):
+        from specla.moe import SparseMoE
+
+        return SparseMoE(cfg)
+    return GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        zc = cfg.norm_style == "zero_centered"
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, zc)
+        self.mixer = make_mixer(cfg, layer)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, zc)
+        self.mlp = make_mlp(cfg, layer)
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [B, n, vocab]
+    hidden: dict[int, torch.Tensor]  # residual stream after the captured layers, [B, n, D]
+    records: list | None = None  # verify only: one record per layer
+
+
+class Model(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_style == "zero_centered")
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embeddings.weight
+
+    @property
+    def device(self):
+        return self.embeddings.weight.device
+
+    @property
+    def dtype(self):
+        return self.embeddings.weight.dtype
+
+    def new_cache(self, batch: int = 1, max_len: int | None = None) -> Cache:
+        max_len = max_len or self.cfg.max_position_embeddings
+        layers = [blk.mixer.new_state(batch, self.device, self.dtype) if isinstance(blk.mixer, GatedDeltaNet)
+                  else blk.mixer.new_state(batch, max_len, self.device, self.dtype) for blk in self.layers]
+        return Cache(layers, torch.zeros(batch, dtype=torch.long, device=self.device))
+
+    def _head(self, x, hidden):
+        return ModelOutput(self.lm_head(self.norm(x)), hidden)
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, cache: Cache, capture: tuple[int, ...] = ()) -> ModelOutput:
+        """Consume tokens [B, T] as a plain sequence, advancing `cache` by T."""
+        x = self.embeddings(tokens)
+        hidden = {}
+        for i, blk in enumerate(self.layers):
+            st = cache.layers[i]
+            if isinstance(st, KVLayerState):
+                x = x + blk.mixer(blk.attn_norm(x), st, cache.length)
+            else:
+                x = x + blk.mixer(blk.attn_norm(x), st)
+            x = x + blk.mlp(blk.mlp_norm(x))
+            if i in capture:
+                hidden[i] = x
+        cache.length = cache.length + tokens.shape[1]
+        return self._head(x, hidden)
+
+    @torch.no_grad()
+    def verify(self, tokens: torch.Tensor, parents: torch.Tensor, cache: Cache,
+               capture: tuple[int, ...] = ()) -> ModelOutput:
+        """Score every node of the topology `parents` [B, n] (node 0 = root) from `cache`."""
+        x = self.embeddings(tokens)
+        hidden, records = {}, []
+        for i, blk in enumerate(self.layers):
+            st = cache.layers[i]
+            if isinstance(st, KVLayerState):
+                o, rec = blk.mixer.verify(blk.attn_norm(x), parents, st, cache.length)
+            else:
+                o, rec = blk.mixer.verify(blk.attn_norm(x), parents, st)
+            x = x + o
+            x = x + blk.mlp(blk.mlp_norm(x))
+            records.append(rec)
+            if i in capture:
+                hidden[i] = x
+        out = self._head(x, hidden)
+        out.records = records
+        return out

@@ -1,0 +1,54 @@
+"""Pure-torch references for the short causal convolution over ancestor windows (DESIGN §1-2).
+
+x holds pre-conv inputs [B, n, C]; the conv state [B, C, W-1] holds the last W-1 consumed
+inputs, oldest first; weight is [C, W] (fla's depthwise Conv1d weight squeezed), the last tap
+multiplying the current token. Outputs go through SiLU, as in every GDN mixer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specla.topology import ancestor_table
+
+
+def tree_conv(x, conv_state, weight, bias, parents):
+    """y_j = silu(Σ_t weight[:, W-1-t] · (t-th ancestor input of j) + bias), [B, n, C].
+
+    Ancestors past the root come from the conv state, so each node sees exactly its own
+    history. Nothing is written.
+    """
+    B, n, C = x.shape
+    W = weight.shape[1]
+    hist = torch.cat([conv_state.transpose(1, 2).to(x.dtype), x], dim=1)  # [B, W-1+n, C]
+    anc = ancestor_table(parents, W) + (W - 1)  # index into hist; [B, n, W], t = 0 is self
+    win = hist.gather(1, anc.reshape(B, n * W, 1).expand(-1, -1, C)).reshape(B, n, W, C)
+    y = torch.einsum("bntc,ct->bnc", win, weight.flip(1).to(x.dtype))
+    if bias is not None:
+        y = y + bias.to(x.dtype)
+    return F.silu(y)
+
+
+def conv_commit(conv_state, x, path, length):
+    """Advance the conv state in place: its last W-1 inputs after consuming x[path[:length]]."""
+    B, P = path.shape
+    W1 = conv_state.shape[2]
+    rows = torch.arange(B, device=x.device)[:, None]
+    xp = x[rows, path].to(conv_state.dtype)  # [B, P, C]
+    hist = torch.cat([conv_state.transpose(1, 2), xp], dim=1)  # [B, W-1+P, C]
+    # the newest W-1 live entries end at index W-1+length-1
+    idx = (length[:, None] + torch.arange(W1, device=x.device)[None, :])  # [B, W-1]
+    new = hist.gather(1, idx[..., None].expand(-1, -1, hist.shape[2]))
+    conv_state.copy_(new.transpose(1, 2))
+
+
+def conv_sequence(x, conv_state, weight, bias):
+    """AR/prefill reference: causal conv over a plain sequence, updating the conv state in place."""
+    B, T, C = x.shape
+    W = weight.shape[1]
+    hist = torch.cat([conv_state.transpose(1, 2).to(x.dtype), x], dim=1).transpose(1, 2)  # [B, C, W-1+T]
+    y = F.conv1d(hist, weight.to(x.dtype)[:, None, :], bias.to(x.dtype) if bias is not None else None, groups=C)
+    if W > 1:
+        conv_state.copy_(hist[:, :, -(W - 1):].to(conv_state.dtype))
+    return F.silu(y.transpose(1, 2))

@@ -1,0 +1,94 @@
+"""Pure-torch references for the Gated DeltaNet verification and commit ops.
+
+Layout (DESIGN §1-2): state S is [B, HV, K, V] with o = Sᵀq; q, k are [B, n, H, K] (already
+l2-normalised), v is [B, n, HV, V], the log-decay g and the write strength beta are [B, n, HV].
+Value head hv reads key head hv // (HV // H) (fla's grouped-value convention).
+
+These functions are the specification: every Triton kernel in this package has the same
+signature and is tested against them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _expand_heads(x: torch.Tensor, hv: int) -> torch.Tensor:
+    """[B, n, H, K] -> [B, n, HV, K] by repeating each key head over its group of value heads."""
+    h = x.shape[2]
+    return x if h == hv else x.repeat_interleave(hv // h, dim=2)
+
+
+def gdn_recurrent(q, k, v, g, beta, state, scale):
+    """AR reference: consume a sequence token by token, updating `state` in place.
+
+    Returns o [B, T, HV, V] in the state's dtype.
+    """
+    HV = v.shape[2]
+    dt = state.dtype
+    q, k = _expand_heads(q, HV).to(dt), _expand_heads(k, HV).to(dt)
+    v, g, beta = v.to(dt), g.to(dt), beta.to(dt)
+    o = torch.empty(v.shape, dtype=dt, device=v.device)
+    S = state
+    for t in range(v.shape[1]):
+        S.mul_(g[:, t].exp()[..., None, None])
+        u = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", S, k[:, t]))
+        S.add_(k[:, t, :, :, None] * u[:, :, None, :])
+        o[:, t] = torch.einsum("bhkv,bhk->bhv", S, q[:, t]) * scale
+    return o
+
+
+def gdn_commit(state, k, g, u, path, length):
+    """Advance `state` in place along the accepted path (DESIGN §2, rank-A factor commit).
+
+    k [B, n, H, K], g [B, n, HV], u [B, n, HV, V] are a verify round's factor records;
+    path [B, P] holds node ids (root first), of which the first length[b] are applied:
+
+        S <- Γ_A S + Σ_i (Γ_A / Γ_{a_i}) k_{a_i} u_{a_i}ᵀ
+    """
+    B, P = path.shape
+    HV = u.shape[2]
+    dt = state.dtype
+    rows = torch.arange(B, device=path.device)[:, None]
+    live = torch.arange(P, device=path.device)[None, :] < length[:, None]  # [B, P]
+    kp = _expand_heads(k[rows, path], HV).to(dt)  # [B, P, HV, K]
+    gp = g[rows, path].to(dt) * live[..., None]  # [B, P, HV]
+    up = u[rows, path].to(dt) * live[..., None, None]
+    G = gp.cumsum(1)  # log Γ_i
+    GA = G[:, -1]  # log Γ_A (padding contributes 0)
+    w = (GA[:, None] - G).exp()  # Γ_A / Γ_i
+    state.mul_(GA.exp()[..., None, None])
+    state.add_(torch.einsum("bphk,bph,bphv->bhkv", kp, w, up))
+
+
+def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None):
+    """Verify a topology from the durable state (DESIGN §2).
+
+    Every node j starts from the state after its parent (S0 for the root), so it sees exactly
+    its ancestors. Returns (o [B, n, HV, V], u [B, n, HV, V]) in the state's dtype, u being the
+    corrected update β_j (v_j - S'_jᵀ k_j) the commit consumes.
+
+    `pending = (k, g, u, length)`, a gathered accepted path from the previous round (delayed
+    update, path = 0..P-1), is first applied to `state` in place; nothing else is written.
+    """
+    if pending is not None:
+        pk, pg, pu, plen = pending
+        path = torch.arange(pk.shape[1], device=pk.device).expand(pk.shape[0], -1)
+        gdn_commit(state, pk, pg, pu, path, plen)
+    B, n, HV, V = v.shape
+    dt = state.dtype
+    q, k = _expand_heads(q, HV).to(dt), _expand_heads(k, HV).to(dt)
+    v, g, beta = v.to(dt), g.to(dt), beta.to(dt)
+    rows = torch.arange(B, device=v.device)
+    states = torch.empty((B, n) + tuple(state.shape[1:]), dtype=dt, device=v.device)
+    o = torch.empty(B, n, HV, V, dtype=dt, device=v.device)
+    u = torch.empty(B, n, HV, V, dtype=dt, device=v.device)
+    for j in range(n):
+        par = parents[:, j]
+        base = torch.where((par >= 0)[:, None, None, None], states[rows, par.clamp(min=0)], state)
+        S = base * g[:, j].exp()[..., None, None]
+        u[:, j] = beta[:, j, :, None] * (v[:, j] - torch.einsum("bhkv,bhk->bhv", S, k[:, j]))
+        S = S + k[:, j, :, :, None] * u[:, j, :, None, :]
+        states[:, j] = S
+        o[:, j] = torch.einsum("bhkv,bhk->bhv", S, q[:, j]) * scale
+    return o, u

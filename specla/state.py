@@ -1,0 +1,121 @@
+"""Durable decoding state, factor records and the commit (DESIGN §2, SpecLA §5).
+
+Verification never writes the durable state: it returns per-layer *factor records*. After
+acceptance, `Cache.commit` advances the state along the accepted path from those records,
+without re-running projections or the MLP. In delayed mode the GDN part of a commit is kept
+pending and applied by the next verify (fused into its state pass) or by `flush()`, which
+runs whenever anything else reads the state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specla import ops
+
+
+@dataclass
+class GDNRecord:
+    """What a verify round leaves behind for one GDN layer, per node."""
+
+    x: torch.Tensor | None  # pre-conv q|k|v inputs [B, n, C] (None without short conv)
+    k: torch.Tensor  # l2-normalised keys [B, n, H, K]
+    g: torch.Tensor  # log-decay [B, n, HV]
+    u: torch.Tensor  # corrected update β(v - S'ᵀk) [B, n, HV, V]
+
+
+@dataclass
+class KVRecord:
+    """Keys (rotated) and values of the verified nodes for one attention layer."""
+
+    k: torch.Tensor  # [B, n, Hkv, D]
+    v: torch.Tensor
+
+
+@dataclass
+class GDNLayerState:
+    S: torch.Tensor  # [B, HV, K, V], fp32 (fp64 for float64 models)
+    conv: torch.Tensor | None  # last W-1 pre-conv inputs [B, C, W-1], oldest first
+    # An accepted path not yet folded into S: (k [B,P,H,K], g [B,P,HV], u [B,P,HV,V], length [B]).
+    pending: tuple | None = None
+
+    def flush(self) -> None:
+        if self.pending is not None:
+            k, g, u, length = self.pending
+            path = torch.arange(k.shape[1], device=k.device).expand(k.shape[0], -1)
+            ops.gdn_commit(self.S, k, g, u, path, length)
+            self.pending = None
+
+
+@dataclass
+class KVLayerState:
+    k: torch.Tensor  # [B, Hkv, L_max, D]
+    v: torch.Tensor
+
+
+class Cache:
+    """Per-layer durable state plus `length` [B], the number of tokens each row has consumed."""
+
+    def __init__(self, layers: list, length: torch.Tensor):
+        self.layers = layers
+        self.length = length
+
+    @property
+    def batch(self) -> int:
+        return int(self.length.shape[0])
+
+    @property
+    def has_pending(self) -> bool:
+        return any(isinstance(s, GDNLayerState) and s.pending is not None for s in self.layers)
+
+    def flush(self) -> "Cache":
+        """Apply every pending accepted update; afterwards S equals AR's state."""
+        for s in self.layers:
+            if isinstance(s, GDNLayerState):
+                s.flush()
+        return self
+
+    def commit(self, records: list, path: torch.Tensor, length: torch.Tensor, delayed: bool = False) -> None:
+        """Consume the nodes path[b, :length[b]] (root first) of the last verify round.
+
+        Conv state and KV caches advance now (they are tiny); the GDN state advances now, or,
+        when `delayed`, at the next verify or flush.
+        """
+        rows = torch.arange(path.shape[0], device=path.device)[:, None]
+        for s, rec in zip(self.layers, records):
+            if isinstance(s, GDNLayerState):
+                if s.conv is not None:
+                    ops.conv_commit(s.conv, rec.x, path, length)
+                if delayed:
+                    s.flush()  # at most one round may be pending
+                    s.pending = (rec.k[rows, path], rec.g[rows, path], rec.u[rows, path], length.clone())
+                else:
+                    s.flush()
+                    ops.gdn_commit(s.S, rec.k, rec.g, rec.u, path, length)
+            else:
+                _commit_kv(s, rec, path, length, self.length)
+        self.length = self.length + length
+
+    def clone(self) -> "Cache":
+        layers = []
+        for s in self.layers:
+            if isinstance(s, GDNLayerState):
+                pend = tuple(t.clone() for t in s.pending) if s.pending is not None else None
+                layers.append(GDNLayerState(s.S.clone(), None if s.conv is None else s.conv.clone(), pend))
+            else:
+                layers.append(KVLayerState(s.k.clone(), s.v.clone()))
+        return Cache(layers, self.length.clone())
+
+
+def _commit_kv(s: KVLayerState, rec: KVRecord, path, length, start) -> None:
+    """Append the accepted nodes' K/V at positions start .. start+length-1 (compacted)."""
+    B, P = path.shape
+    rows = torch.arange(B, device=path.device)[:, None]
+    pos = start[:, None] + torch.arange(P, device=path.device)[None, :]  # [B, P]
+    live = torch.arange(P, device=path.device)[None, :] < length[:, None]
+    kp, vp = rec.k[rows, path], rec.v[rows, path]  # [B, P, Hkv, D]
+    b_idx, p_idx = live.nonzero(as_tuple=True)
+    s.k[b_idx, :, pos[b_idx, p_idx]] = kp[b_idx, p_idx].to(s.k.dtype)
+    s.v[b_idx, :, pos[b_idx, p_idx]] = vp[b_idx, p_idx].to(s.v.dtype)
