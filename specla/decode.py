@@ -1,8 +1,9 @@
 """The decode loop: prefill, then rounds of draft -> verify -> accept -> commit (DESIGN §2-5).
 
-Routes (`ROUTES`): `ar` consumes one token per step through the plain sequence path;
-the speculative routes verify a drafter's topology and commit the accepted path from factor
-records (delayed by default: the GDN update is folded into the next verify).
+Without a drafter (route `ar`) one token is consumed per step through the plain sequence
+path; with one, each round verifies the drafter's topology and commits the accepted path
+from factor records (delayed by default: the GDN update is folded into the next verify).
+Which drafter serves which route name is the API's business (`specla.api`).
 
 The loop runs B rows at once (each row its own prompt, draft and acceptance). The public
 API generates one sequence (B = 1); the batched form exists so tests can draw many samples.
@@ -20,9 +21,6 @@ from specla import acceptance
 from specla.drafters.base import DraftContext, Drafter
 from specla.errors import InputError
 from specla.model import Model
-
-ROUTES = ("ar", "chain", "tree")
-
 
 @dataclass
 class Sampling:
@@ -79,16 +77,12 @@ def _sync(device: torch.device) -> None:
 
 
 class Decoder:
-    def __init__(self, model: Model, route: str = "ar", drafter: Drafter | None = None,
+    def __init__(self, model: Model, drafter: Drafter | None = None, route: str | None = None,
                  sampling: Sampling | None = None, delayed: bool = True,
                  eos_token_ids: tuple[int, ...] | set[int] = (), max_context: int | None = None,
                  prefill_chunk: int = 2048):
-        if route not in ROUTES:
-            raise InputError(f"unknown route {route!r}; choose one of {', '.join(ROUTES)}")
-        if route != "ar" and drafter is None:
-            raise InputError(f"route {route!r} needs a drafter")
         self.model = model
-        self.route = route
+        self.route = route or (drafter.name if drafter is not None else "ar")
         self.drafter = drafter
         self.sampling = sampling or Sampling()
         self.delayed = delayed
@@ -151,7 +145,7 @@ class Decoder:
         done = [False] * B
         root = prompts[:, -1]
         while not all(done):
-            if self.route == "ar":
+            if self.drafter is None:
                 new, stats = self._ar_step(root, cache, gen)
             else:
                 new, stats = self._spec_round(hist, root, cache, gen, capture, emitted, done, max_new_tokens)
