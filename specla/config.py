@@ -36,7 +36,6 @@ class ModelConfig:
     gate_activation: str = "silu"  # output gate of the GDN mixer: silu or sigmoid
     allow_neg_eigval: bool = False
     norm_eps: float = 1e-6
-    gdn_norm_eps: float = 1e-5  # the mixer's gated RMSNorm (fla hard-codes its own default)
     # "plain": y = w * x / rms(x); "zero_centered": y = (1 + w) * x / rms(x) (Qwen3-Next / Qwen3.5)
     norm_style: str = "plain"
     tie_word_embeddings: bool = False
@@ -172,7 +171,6 @@ def from_fla_dict(d: dict) -> ModelConfig:
         gate_activation="sigmoid" if act == "sigmoid" else "silu",
         allow_neg_eigval=bool(d.get("allow_neg_eigval", False)),
         norm_eps=float(d.get("norm_eps", 1e-6)),
-        gdn_norm_eps=float(d.get("norm_eps", 1e-6)),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
         bos_token_id=d.get("bos_token_id"),

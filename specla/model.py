@@ -108,7 +108,7 @@ class GatedDeltaNet(nn.Module):
     def _output(self, o, z, dtype):
         B, n = o.shape[:2]
         zz = None if z is None else z.reshape(B, n, self.HV, self.V)
-        y = gated_rms_norm(o, zz, self.o_norm_weight, self.cfg.gdn_norm_eps, self.cfg.gate_activation)
+        y = gated_rms_norm(o, zz, self.o_norm_weight, self.cfg.norm_eps, self.cfg.gate_activation)
         return self.o_proj(y.reshape(B, n, -1).to(dtype))
 
     def forward(self, h, st: GDNLayerState):

@@ -80,15 +80,18 @@ def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None):
     q, k = _expand_heads(q, HV).to(dt), _expand_heads(k, HV).to(dt)
     v, g, beta = v.to(dt), g.to(dt), beta.to(dt)
     rows = torch.arange(B, device=v.device)
-    states = torch.empty((B, n) + tuple(state.shape[1:]), dtype=dt, device=v.device)
+    states = []  # state after each node
     o = torch.empty(B, n, HV, V, dtype=dt, device=v.device)
     u = torch.empty(B, n, HV, V, dtype=dt, device=v.device)
     for j in range(n):
         par = parents[:, j]
-        base = torch.where((par >= 0)[:, None, None, None], states[rows, par.clamp(min=0)], state)
+        if j == 0:
+            base = state
+        else:  # every row's parent state; parents[:, j] < j
+            base = torch.stack(states, 1)[rows, par] if bool((par != par[0]).any()) else states[int(par[0])]
         S = base * g[:, j].exp()[..., None, None]
-        u[:, j] = beta[:, j, :, None] * (v[:, j] - torch.einsum("bhkv,bhk->bhv", S, k[:, j]))
+        u[:, j] = beta[:, j, :, None] * (v[:, j] - (S * k[:, j, :, :, None]).sum(-2))
         S = S + k[:, j, :, :, None] * u[:, j, :, None, :]
-        states[:, j] = S
-        o[:, j] = torch.einsum("bhkv,bhk->bhv", S, q[:, j]) * scale
+        states.append(S)
+        o[:, j] = (S * q[:, j, :, :, None]).sum(-2) * scale
     return o, u
