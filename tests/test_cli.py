@@ -1,0 +1,135 @@
+"""The CLI and API on a tiny model: output shape, streaming, and one-line errors for bad input."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specla.api import DEMO_DIR, load
+from specla.checkpoint import save_model
+from specla.config import ModelConfig
+from specla.errors import InputError, TopologyError
+from specla.shapes import random_model
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    for f in TOKENIZER_FILES:
+        shutil.copy(DEMO_DIR / f, d / f)
+    vocab = json.loads((d / "tokenizer.json").read_text())["model"]["vocab"]
+    cfg = ModelConfig(vocab_size=len(vocab) + 16, hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+                      num_heads=2, num_v_heads=2, head_dim=8, head_v_dim=8, max_position_embeddings=64,
+                      tie_word_embeddings=True)
+    save_model(random_model(cfg, dtype=torch.float32), d)
+    return d
+
+
+def specla(*args, timeout=120):
+    r = subprocess.run([sys.executable, "-m", "specla.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return r.returncode, r.stdout, r.stderr
+
+
+def test_generate_json(model_dir):
+    code, out, err = specla("generate", "--model", str(model_dir), "--prompt", "def reverse(s):",
+                            "--route", "tree", "--max-new-tokens", "12", "--json", "--device", "cpu")
+    assert code == 0, err
+    res = json.loads(out)
+    for key in ("text", "tokens", "route", "rounds", "mean_accepted_length", "tokens_per_second"):
+        assert key in res
+    assert res["route"] == "tree" and 0 < len(res["tokens"]) <= 12
+
+
+def test_generate_streams_text_and_summary(model_dir):
+    code, out, err = specla("generate", "--model", str(model_dir), "--prompt", "hello", "--route", "chain",
+                            "-n", "8", "--device", "cpu", "--temperature", "0.7", "--seed", "3")
+    assert code == 0, err
+    assert "tokens/s" in err and "mean accepted length" in err
+
+
+def test_api_routes_agree_and_stream(model_dir):
+    lm = load(model_dir, device="cpu", dtype="float64")
+    ar = lm.generate("a b a b a b", route="ar", max_new_tokens=20)
+    for route in ("chain", "tree"):
+        assert lm.generate("a b a b a b", route=route, max_new_tokens=20).tokens == ar.tokens
+    pieces = list(lm.stream("a b a b a b", route="tree", max_new_tokens=20))
+    assert "".join(pieces) == ar.text
+
+
+BAD = [
+    (["--prompt", "", "-n", "4"], "prompt is empty"),
+    (["--prompt", "x " * 200, "-n", "4", "--raw"], "maximum context"),
+    (["--prompt", "hi", "-n", "0"], "--max-new-tokens must be positive"),
+    (["--prompt", "hi", "-n", "-3"], "--max-new-tokens must be positive"),
+    (["--prompt", "hi", "--route", "beam"], "unknown route"),
+    (["--prompt", "hi", "--dtype", "int8"], "unknown dtype"),
+]
+
+
+@pytest.mark.parametrize("args,msg", BAD)
+def test_bad_input_one_line_error(model_dir, args, msg):
+    code, out, err = specla("generate", "--model", str(model_dir), "--device", "cpu", *args)
+    assert code != 0
+    assert msg in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def _broken(model_dir, tmp_path, how):
+    d = tmp_path / how
+    shutil.copytree(model_dir, d)
+    if how == "missing-weights":
+        (d / "model.safetensors").unlink()
+    elif how == "missing-config":
+        (d / "config.json").unlink()
+    elif how == "wrong-shapes":
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["hidden_size"] = 48
+        (d / "config.json").write_text(json.dumps(cfg))
+    elif how == "unknown-arch":
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["model_type"], cfg["architectures"] = "llama", ["LlamaForCausalLM"]
+        (d / "config.json").write_text(json.dumps(cfg))
+    elif how == "missing-tokenizer":
+        (d / "tokenizer.json").unlink()
+    elif how == "missing-shard":
+        from specla.checkpoint import load_model
+        save_model(load_model(d), d, max_shard_bytes=4000)
+        sorted(d.glob("model-*.safetensors"))[1].unlink()
+    elif how == "unsupported-option":
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["attnres_block_size"] = 4
+        (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize("how,msg", [
+    ("missing-weights", "no model.safetensors"), ("missing-config", "no config.json"),
+    ("wrong-shapes", "has shape"), ("unknown-arch", "unsupported architecture LlamaForCausalLM"),
+    ("missing-tokenizer", "no tokenizer.json"), ("missing-shard", "missing shard"),
+    ("unsupported-option", "attnres_block_size"), ("nonexistent", "does not exist")])
+def test_bad_checkpoint_one_line_error(model_dir, tmp_path, how, msg):
+    d = tmp_path / "nope" if how == "nonexistent" else _broken(model_dir, tmp_path, how)
+    code, out, err = specla("generate", "--model", str(d), "--prompt", "hi", "-n", "2", "--device", "cpu")
+    assert code == 2 and msg in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_api_rejects_bad_ids_and_topologies(model_dir):
+    lm = load(model_dir, device="cpu")
+    V = lm.model.cfg.vocab_size
+    with pytest.raises(InputError, match="out of range"):
+        lm.generate([1, 2, V + 5], route="ar", max_new_tokens=2)
+    with pytest.raises(InputError, match="out of range"):
+        lm.generate([-1, 2], route="ar", max_new_tokens=2)
+    ids = lm.encode_prompt("hello there", chat=False)
+    with pytest.raises(TopologyError, match="not topological"):
+        lm.verify("hello there", [ids[-1], 5, 6], [-1, 2, 0])
+    with pytest.raises(TopologyError, match="parents\\[0\\] must be -1"):
+        lm.verify("hello there", [ids[-1], 5], [0, 0])
+    logits = lm.verify("hello there", [ids[-1], 5, 6], [-1, 0, 0])
+    assert logits.shape == (3, V)
