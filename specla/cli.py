@@ -87,6 +87,32 @@ def data_tokenizer(
     typer.echo(str(train_tokenizer(corpus, out, vocab_size=vocab_size)))
 
 
+@train_app.command("target")
+def train_target_cmd(
+    out: Path = typer.Option(..., help="Run directory (checkpoint, log, export/). Re-run to resume."),
+    corpus: Path = typer.Option(Path(".corpus"), help="Corpus directory from `specla data corpus`."),
+    tokenizer: Optional[Path] = typer.Option(None, help="Tokenizer directory (default: the demo model's)."),
+    config: Optional[Path] = typer.Option(None, help="JSON file of ModelConfig fields (default: the demo shape)."),
+    total_minutes: float = typer.Option(16.0, help="Training time the LR schedule spans (all runs together)."),
+    max_minutes: float = typer.Option(8.0, help="Stop this run after this long; the next run resumes."),
+    total_steps: Optional[int] = typer.Option(None, help="Fix the schedule length instead of calibrating it."),
+    batch_size: int = typer.Option(64, help="Sequences per step per GPU."),
+    seq_len: int = typer.Option(1024),
+    lr: float = typer.Option(2e-3),
+    device: str = typer.Option("auto"),
+):
+    """Pretrain a pure-GDN target (bf16 autocast, fla's chunk kernel on GPU; torchrun for several GPUs)."""
+    from specla.api import DEMO_DIR
+    from specla.config import ModelConfig
+    from specla.train.target import train_target
+
+    cfg = ModelConfig(**json.loads(config.read_text())) if config else None
+    summary = train_target(out, corpus, tokenizer or DEMO_DIR, config=cfg, total_steps=total_steps,
+                           total_minutes=total_minutes, max_minutes=max_minutes, batch_size=batch_size,
+                           seq_len=seq_len, lr=lr, device=device)
+    typer.echo(json.dumps(summary))
+
+
 def main() -> None:
     try:
         app()

@@ -119,6 +119,21 @@ class GatedDeltaNet(nn.Module):
         o = ops.gdn_sequence(q, k, v, g, beta, st.S, self.scale)
         return self._output(o, z, h.dtype)
 
+    def train_forward(self, h):
+        """Differentiable forward from a zero state (training)."""
+        from specla.ops.gdn.train import gdn_train
+
+        x, z, a, b = self._project(h)
+        if self.cfg.use_short_conv:
+            W = self.cfg.conv_size
+            xc = F.conv1d(F.pad(x.transpose(1, 2), (W - 1, 0)), self.conv_weight[:, None, :].to(x.dtype),
+                          None if self.conv_bias is None else self.conv_bias.to(x.dtype), groups=x.shape[-1])
+            xc = F.silu(xc.transpose(1, 2))
+        else:
+            xc = F.silu(x)
+        q, k, v, g, beta = self._factors(xc, a, b, torch.float32)
+        return self._output(gdn_train(q, k, v, g, beta, self.scale).float(), z, h.dtype)
+
     def verify(self, h, parents, st: GDNLayerState):
         x, z, a, b = self._project(h)
         if st.conv is not None:
@@ -192,6 +207,14 @@ class Model(nn.Module):
 
     def _head(self, x, hidden):
         return ModelOutput(self.lm_head(self.norm(x)), hidden)
+
+    def train_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Differentiable logits [B, T, vocab] from an empty state (training; pure GDN stacks)."""
+        x = self.embeddings(tokens)
+        for blk in self.layers:
+            x = x + blk.mixer.train_forward(blk.attn_norm(x))
+            x = x + blk.mlp(blk.mlp_norm(x))
+        return self.lm_head(self.norm(x))
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, cache: Cache, capture: tuple[int, ...] = ()) -> ModelOutput:

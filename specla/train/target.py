@@ -1,0 +1,222 @@
+"""Pretraining of a pure-GDN target (`specla train target`).
+
+Resumable: a run trains for at most `max_minutes`, then writes `ckpt.pt` (weights, optimiser,
+step, schedule) and exits; the same command continues from it. The LR schedule (warmup, then
+cosine to 10%) spans `total_steps`; if that is not given, it is fixed after a short
+calibration so that the whole schedule fits `total_minutes` of training, and stored in the
+checkpoint. Several GPUs: launch the same command under torchrun (DDP, one process a GPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from specla.config import ModelConfig
+from specla.model import Model
+
+CALIBRATION_STEPS = 30
+
+
+def demo_config(tokenizer) -> ModelConfig:
+    """The shipped demo target: depth over width within the 28 MB budget (DESIGN §9)."""
+    vocab = 64 * math.ceil(tokenizer.vocab_size / 64)
+    return ModelConfig(
+        vocab_size=vocab, hidden_size=256, num_hidden_layers=12, intermediate_size=768,
+        num_heads=4, num_v_heads=4, head_dim=64, head_v_dim=64, tie_word_embeddings=True,
+        max_position_embeddings=4096, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=sorted(tokenizer.eos_token_ids), pad_token_id=tokenizer.pad_token_id)
+
+
+class _LossModule(nn.Module):
+    """DDP wraps `forward`; the model's training entry point is `train_logits`."""
+
+    def __init__(self, model: Model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        logits = self.model.train_logits(batch[:, :-1])
+        return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+
+
+def _init_weights(model: Model, seed: int) -> None:
+    from specla.shapes import random_model
+
+    ref = random_model(model.cfg, device="cpu", dtype=torch.float32, seed=seed)
+    with torch.no_grad():
+        for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+            p.copy_(r * (0.5 if p.dim() >= 2 and "embeddings" not in name else 1.0))
+
+
+def _param_groups(model: Model, weight_decay: float):
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (decay if p.dim() >= 2 and "embeddings" not in name else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    t = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def train_target(out_dir, corpus_dir, tokenizer_dir, config: ModelConfig | None = None, total_steps: int | None = None,
+                 total_minutes: float = 16.0, max_minutes: float = 8.0, batch_size: int = 64, seq_len: int = 1024,
+                 lr: float = 2e-3, warmup: int = 200, weight_decay: float = 0.1, eval_every: int = 250,
+                 eval_batches: int = 8, log_every: int = 10, checkpoint_minutes: float = 2.0, seed: int = 0, device: str = "auto",
+                 progress: bool = True) -> dict:
+    from tqdm import tqdm
+
+    from specla.checkpoint import save_model
+    from specla.data.tokenizer import load_tokenizer
+    from specla.train.data import Batches, tokenize_split
+
+    t_start = time.time()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
+    rank, world = 0, 1
+    if distributed:
+        torch.distributed.init_process_group("nccl")
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        dev = torch.device("cuda", torch.cuda.current_device())
+    else:
+        dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                           ("cpu" if device == "auto" else device))
+    main = rank == 0
+    tok = load_tokenizer(tokenizer_dir)
+
+    ckpt_path = out / "ckpt.pt"
+    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False) if ckpt_path.is_file() else None
+    if ckpt is not None:
+        cfg = ModelConfig(**ckpt["config"])
+    else:
+        cfg = config or demo_config(tok)
+    model = Model(cfg).to(dev)
+    if ckpt is None:
+        _init_weights(model, seed)
+    else:
+        model.load_state_dict(ckpt["model"])
+    opt = torch.optim.AdamW(_param_groups(model, weight_decay), lr=lr, betas=(0.9, 0.95), eps=1e-8,
+                            fused=dev.type == "cuda")
+    step, train_seconds, tokens_seen = 0, 0.0, 0
+    if ckpt is not None:
+        opt.load_state_dict(ckpt["optimizer"])
+        step, train_seconds, tokens_seen = ckpt["step"], ckpt["train_seconds"], ckpt["tokens_seen"]
+        total_steps = total_steps or ckpt.get("total_steps")
+    net = _LossModule(model)
+    if distributed:
+        net = nn.parallel.DistributedDataParallel(net, device_ids=[dev.index])
+
+    corpus_dir = Path(corpus_dir)
+    train_tokens = tokenize_split(corpus_dir, "train", tok, out / "tokens_train.npy", progress and main)
+    val_tokens = tokenize_split(corpus_dir, "val", tok, out / "tokens_val.npy", progress and main)
+    train = Batches(train_tokens, batch_size, seq_len, seed, rank, world)
+    val = Batches(val_tokens, batch_size, seq_len, seed + 1)
+    log = open(out / "train_log.jsonl", "a") if main else None
+    if main and ckpt is None:
+        n_params = sum(p.numel() for p in model.parameters())
+        log.write(json.dumps({"event": "start", "config": dataclasses.asdict(cfg), "params": n_params,
+                              "train_tokens": int(len(train_tokens)), "val_tokens": int(len(val_tokens)),
+                              "batch_size": batch_size * world, "seq_len": seq_len, "lr": lr, "world": world,
+                              "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}) + "\n")
+
+    @torch.no_grad()
+    def evaluate() -> float:
+        model.eval()
+        losses = []
+        for i in range(eval_batches):
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+                losses.append(_LossModule(model)(val.get(i).to(dev)).item())
+        model.train()
+        return sum(losses) / len(losses)
+
+    def save() -> None:
+        if not main:
+            return
+        tmp = out / "ckpt.pt.tmp"
+        torch.save({"config": dataclasses.asdict(cfg), "model": model.state_dict(), "optimizer": opt.state_dict(),
+                    "step": step, "train_seconds": train_seconds, "tokens_seen": tokens_seen,
+                    "total_steps": total_steps}, tmp)
+        tmp.replace(ckpt_path)
+
+    model.train()
+    run_start = time.time()
+    last_ckpt = run_start
+    bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not (progress and main))
+    stop = False
+    while not stop:
+        if total_steps is not None and step >= total_steps:
+            break
+        t0 = time.time()
+        batch = train.get(step).to(dev, non_blocking=True)
+        cur_lr = lr_at(step, total_steps or 10**9, lr, warmup)
+        for grp in opt.param_groups:
+            grp["lr"] = cur_lr
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            loss = net(batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        tokens_seen += batch_size * seq_len * world
+        if dev.type == "cuda" and (step % 10 == 0 or step == CALIBRATION_STEPS):
+            torch.cuda.synchronize()
+        train_seconds += time.time() - t0
+        if total_steps is None and step == CALIBRATION_STEPS:
+            # fix the schedule so the remaining budget is spent at the measured pace
+            per_step = train_seconds / step
+            est = torch.tensor([int(total_minutes * 60 / per_step)], device=dev)
+            if distributed:
+                torch.distributed.broadcast(est, 0)
+            total_steps = int(est.item())
+            bar.total = total_steps
+        bar.update(1)
+        if main and step % log_every == 0:
+            bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{cur_lr:.2e}")
+            log.write(json.dumps({"step": step, "loss": round(loss.item(), 4), "lr": cur_lr,
+                                  "grad_norm": round(float(gnorm), 3), "tokens": tokens_seen,
+                                  "train_seconds": round(train_seconds, 1)}) + "\n")
+        if step % eval_every == 0 or (total_steps is not None and step >= total_steps):
+            vl = evaluate()
+            if main:
+                log.write(json.dumps({"step": step, "val_loss": round(vl, 4), "tokens": tokens_seen,
+                                      "train_seconds": round(train_seconds, 1)}) + "\n")
+                log.flush()
+        if time.time() - last_ckpt > checkpoint_minutes * 60:
+            save()
+            last_ckpt = time.time()
+        flag = torch.tensor([time.time() - run_start > max_minutes * 60], device=dev)
+        if distributed:  # every rank must stop at the same step
+            torch.distributed.broadcast(flag, 0)
+        stop = bool(flag.item())
+    bar.close()
+    save()
+    finished = total_steps is not None and step >= total_steps
+    summary = {"step": step, "total_steps": total_steps, "finished": finished, "tokens_seen": tokens_seen,
+               "train_seconds": round(train_seconds, 1), "wall_seconds": round(time.time() - t_start, 1)}
+    if main:
+        log.write(json.dumps({"event": "end_of_run", **summary}) + "\n")
+        log.close()
+        export = out / "export"
+        save_model(model, export, dtype=torch.bfloat16)
+        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (Path(tokenizer_dir) / f).is_file():
+                shutil.copy(Path(tokenizer_dir) / f, export / f)
+    if distributed:
+        torch.distributed.destroy_process_group()
+    return summary

@@ -1,0 +1,49 @@
+"""`specla train target` on CPU at a tiny shape: loss falls, a run resumes where it stopped."""
+
+import json
+import lzma
+
+import torch
+
+from specla.api import DEMO_DIR
+from specla.checkpoint import load_model
+from specla.config import ModelConfig
+from specla.train.target import lr_at, train_target
+
+
+def _corpus(d):
+    d.mkdir()
+    docs = ["<|bos|>the cat sat on the mat. the dog sat on the log.<|eos|>"] * 60 + \
+           ["<|bos|>def add(a, b):\n    return a + b\n<|eos|>"] * 60
+    for split, rows in (("train", docs), ("val", docs[::10])):
+        with lzma.open(d / f"{split}.jsonl.xz", "wt") as f:
+            for i, t in enumerate(rows):
+                f.write(json.dumps({"source": "test", "id": str(i), "text": t}) + "\n")
+    return d
+
+
+def test_train_resume_export(tmp_path):
+    corpus = _corpus(tmp_path / "corpus")
+    cfg = ModelConfig(vocab_size=8192, hidden_size=16, num_hidden_layers=1, intermediate_size=32, num_heads=1,
+                      num_v_heads=1, head_dim=8, head_v_dim=8, tie_word_embeddings=True)
+    run = tmp_path / "run"
+    kw = dict(config=cfg, total_steps=12, batch_size=4, seq_len=16, lr=1e-2, warmup=2, eval_every=6,
+              eval_batches=2, log_every=1, device="cpu", progress=False)
+    first = train_target(run, corpus, DEMO_DIR, max_minutes=0.0, **kw)  # stops after one step
+    assert first["step"] == 1 and not first["finished"]
+    second = train_target(run, corpus, DEMO_DIR, max_minutes=10.0, **kw)
+    assert second["step"] == 12 and second["finished"]
+    log = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in log if "loss" in r]
+    vals = [r["val_loss"] for r in log if "val_loss" in r]
+    assert losses[-1] < losses[0] and len(vals) == 2
+    model = load_model(run / "export")
+    assert model.cfg.num_hidden_layers == 1 and (run / "export" / "tokenizer.json").is_file()
+    x = torch.randint(0, 8192, (1, 5))
+    assert torch.isfinite(model(x, model.new_cache()).logits).all()
+
+
+def test_schedule():
+    assert lr_at(0, 100, 1.0, 10) == 0.1
+    assert abs(lr_at(10, 100, 1.0, 10) - 1.0) < 1e-9
+    assert abs(lr_at(100, 100, 1.0, 10) - 0.1) < 1e-9
