@@ -99,6 +99,16 @@ class MTPDrafter(Drafter):
         self.initial_capacity = initial_capacity
         self.reset(1)
 
+    @classmethod
+    def from_checkpoint(cls, model_dir, target: Model, length: int = 3) -> "MTPDrafter":
+        """The MTP drafter of checkpoint `model_dir`, whose target `target` is already loaded."""
+        from specla.hybrid_formats import has_mtp
+
+        if model_dir is None or not has_mtp(model_dir):
+            raise CheckpointError(f"route mtp needs a checkpoint with multi-token-prediction weights (mtp.*); "
+                                  f"{model_dir} has none")
+        return cls(model_dir, target, length=length)
+
     # cache ---------------------------------------------------------------------------------
     def reset(self, batch: int) -> None:
         mixer = self.module.layers[0].mixer
