@@ -142,7 +142,8 @@ class GatedDeltaNet(nn.Module):
             xc = F.silu(x)
         q, k, v, g, beta = self._factors(xc, a, b, st.S.dtype)
         o, u = ops.gdn_tree_verify(q, k, v, g, beta, st.S, parents, self.scale, st.pending)
-        st.pending = None
+        if st.pending is not None:  # folded into S by the verify
+            st.pending[3].zero_()
         rec = GDNRecord(x=x if st.conv is not None else None, k=k, g=g, u=u)
         return self._output(o, z, h.dtype), rec
 
@@ -230,7 +231,7 @@ class Model(nn.Module):
             x = x + blk.mlp(blk.mlp_norm(x))
             if i in capture:
                 hidden[i] = x
-        cache.length = cache.length + tokens.shape[1]
+        cache.length.add_(tokens.shape[1])
         return self._head(x, hidden)
 
     @torch.no_grad()

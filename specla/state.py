@@ -38,7 +38,9 @@ class KVRecord:
 class GDNLayerState:
     S: torch.Tensor  # [B, HV, K, V], fp32 (fp64 for float64 models)
     conv: torch.Tensor | None  # last W-1 pre-conv inputs [B, C, W-1], oldest first
-    # An accepted path not yet folded into S: (k [B,P,H,K], g [B,P,HV], u [B,P,HV,V], length [B]).
+    # Buffers of an accepted path not yet folded into S: (k [B,P,H,K], g [B,P,HV],
+    # u [B,P,HV,V], length [B]); length 0 means nothing is pending. They are written in
+    # place, so a CUDA graph that reads or writes them stays valid across rounds.
     pending: tuple | None = None
 
     def flush(self) -> None:
@@ -46,7 +48,15 @@ class GDNLayerState:
             k, g, u, length = self.pending
             path = torch.arange(k.shape[1], device=k.device).expand(k.shape[0], -1)
             ops.gdn_commit(self.S, k, g, u, path, length)
-            self.pending = None
+            length.zero_()
+
+    def set_pending(self, rec: "GDNRecord", path: torch.Tensor, length: torch.Tensor) -> None:
+        rows = torch.arange(path.shape[0], device=path.device)[:, None]
+        k, g, u = rec.k[rows, path], rec.g[rows, path], rec.u[rows, path]
+        if self.pending is None or self.pending[0].shape != k.shape:
+            self.pending = (torch.empty_like(k), torch.empty_like(g), torch.empty_like(u), torch.zeros_like(length))
+        for buf, val in zip(self.pending, (k, g, u, length)):
+            buf.copy_(val)
 
 
 @dataclass
@@ -66,9 +76,6 @@ class Cache:
     def batch(self) -> int:
         return int(self.length.shape[0])
 
-    @property
-    def has_pending(self) -> bool:
-        return any(isinstance(s, GDNLayerState) and s.pending is not None for s in self.layers)
 
     def flush(self) -> "Cache":
         """Apply every pending accepted update; afterwards S equals AR's state."""
@@ -81,22 +88,20 @@ class Cache:
         """Consume the nodes path[b, :length[b]] (root first) of the last verify round.
 
         Conv state and KV caches advance now (they are tiny); the GDN state advances now, or,
-        when `delayed`, at the next verify or flush.
+        when `delayed`, at the next verify or flush. The verify that produced `records`
+        consumed any earlier pending update, so at most one round is ever pending.
         """
-        rows = torch.arange(path.shape[0], device=path.device)[:, None]
         for s, rec in zip(self.layers, records):
             if isinstance(s, GDNLayerState):
                 if s.conv is not None:
                     ops.conv_commit(s.conv, rec.x, path, length)
                 if delayed:
-                    s.flush()  # at most one round may be pending
-                    s.pending = (rec.k[rows, path], rec.g[rows, path], rec.u[rows, path], length.clone())
+                    s.set_pending(rec, path, length)
                 else:
-                    s.flush()
                     ops.gdn_commit(s.S, rec.k, rec.g, rec.u, path, length)
             else:
                 _commit_kv(s, rec, path, length, self.length)
-        self.length = self.length + length
+        self.length.add_(length)
 
     def clone(self) -> "Cache":
         layers = []
@@ -110,12 +115,17 @@ class Cache:
 
 
 def _commit_kv(s: KVLayerState, rec: KVRecord, path, length, start) -> None:
-    """Append the accepted nodes' K/V at positions start .. start+length-1 (compacted)."""
+    """Append the accepted nodes' K/V at positions start .. start+length-1 (compacted).
+
+    Entries past `length` rewrite what is already there, so the shapes never depend on how
+    many were accepted (no host sync; capturable in a CUDA graph).
+    """
     B, P = path.shape
     rows = torch.arange(B, device=path.device)[:, None]
-    pos = start[:, None] + torch.arange(P, device=path.device)[None, :]  # [B, P]
-    live = torch.arange(P, device=path.device)[None, :] < length[:, None]
-    kp, vp = rec.k[rows, path], rec.v[rows, path]  # [B, P, Hkv, D]
-    b_idx, p_idx = live.nonzero(as_tuple=True)
-    s.k[b_idx, :, pos[b_idx, p_idx]] = kp[b_idx, p_idx].to(s.k.dtype)
-    s.v[b_idx, :, pos[b_idx, p_idx]] = vp[b_idx, p_idx].to(s.v.dtype)
+    steps = torch.arange(P, device=path.device)[None, :]
+    pos = (start[:, None] + steps).clamp(max=s.k.shape[2] - 1)  # [B, P]
+    live = (steps < length[:, None])[:, None, :, None]  # [B, 1, P, 1]
+    for cache, new in ((s.k, rec.k), (s.v, rec.v)):
+        idx = pos[:, None, :, None].expand(-1, cache.shape[1], -1, cache.shape[3])
+        fresh = new[rows, path].transpose(1, 2).to(cache.dtype)  # [B, Hkv, P, D]
+        cache.scatter_(2, idx, torch.where(live, fresh, cache.gather(2, idx)))
