@@ -61,6 +61,19 @@ def generate(
                 f"over {out.rounds} rounds ({out.stop_reason})", err=True, dim=True)
 
 
+@bench_app.command("decode")
+def bench_decode(
+    shapes: str = typer.Option("gdn-1.3b-paper,gdn-1.3b-paper-hybrid", help="Comma-separated named shapes."),
+    new_tokens: int = typer.Option(64),
+    rounds: int = typer.Option(50),
+    out: Path = typer.Option(Path("benchmarks/results")),
+):
+    """AR ms/token (eager and CUDA graphs) and one 16-node speculative round, at named shapes (GPU)."""
+    from specla.bench.decode import run
+
+    run(tuple(s for s in shapes.split(",") if s), new_tokens=new_tokens, rounds=rounds, out_dir=out)
+
+
 @data_app.command("corpus")
 def data_corpus(
     out: Path = typer.Option(Path(".corpus"), help="Output directory."),

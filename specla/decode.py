@@ -19,6 +19,7 @@ import torch
 
 from specla import acceptance
 from specla.drafters.base import DraftContext, Drafter
+from specla.engine import EagerTarget, GraphTarget
 from specla.errors import InputError
 from specla.model import Model
 
@@ -80,7 +81,7 @@ class Decoder:
     def __init__(self, model: Model, drafter: Drafter | None = None, route: str | None = None,
                  sampling: Sampling | None = None, delayed: bool = True,
                  eos_token_ids: tuple[int, ...] | set[int] = (), max_context: int | None = None,
-                 prefill_chunk: int = 2048):
+                 prefill_chunk: int = 2048, graphs: bool | None = None):
         self.model = model
         self.route = route or (drafter.name if drafter is not None else "ar")
         self.drafter = drafter
@@ -89,6 +90,8 @@ class Decoder:
         self.eos = set(int(e) for e in eos_token_ids)
         self.max_context = max_context or model.cfg.max_position_embeddings
         self.prefill_chunk = prefill_chunk
+        # CUDA graphs by default on CUDA; `graphs=False` keeps everything eager
+        self.graphs = model.device.type == "cuda" if graphs is None else graphs
 
     # input checks ----------------------------------------------------------------------------
     def _check(self, prompts: torch.Tensor, max_new_tokens: int) -> None:
@@ -128,12 +131,18 @@ class Decoder:
             self.drafter.reset(B)
         result = GenerationResult(tokens=[], route=self.route)
 
+        max_len = T + max_new_tokens + 64
+        if self.graphs:
+            budget = self.drafter.max_nodes if self.drafter is not None else 1
+            target = GraphTarget(model, B, max_len, budget, self.delayed)
+        else:
+            target = EagerTarget(model, B, max_len)
+        cache = target.cache
         _sync(dev)
         t0 = time.perf_counter()
-        cache = model.new_cache(B, max_len=T + max_new_tokens + 64)
         for s in range(0, T - 1, self.prefill_chunk):
             chunk = prompts[:, s:min(s + self.prefill_chunk, T - 1)]
-            out = model.forward(chunk, cache, capture)
+            out = target.prefill(chunk, capture)
             if self.drafter is not None:
                 self.drafter.extend(chunk, out.hidden, torch.full((B,), chunk.shape[1], device=dev))
         _sync(dev)
@@ -146,9 +155,9 @@ class Decoder:
         root = prompts[:, -1]
         while not all(done):
             if self.drafter is None:
-                new, stats = self._ar_step(root, cache, gen)
+                new, stats = self._ar_step(target, root, gen)
             else:
-                new, stats = self._spec_round(hist, root, cache, gen, capture, emitted, done, max_new_tokens)
+                new, stats = self._spec_round(target, hist, gen, capture, emitted, done, max_new_tokens)
             for b in range(B):
                 if done[b]:
                     continue
@@ -176,8 +185,8 @@ class Decoder:
         result.decode_seconds = time.perf_counter() - t1
         return emitted, result, cache
 
-    def _ar_step(self, root, cache, gen):
-        logits = self.model.forward(root[:, None], cache).logits[:, -1]
+    def _ar_step(self, target, root, gen):
+        logits = target.step(root)
         if self.sampling.greedy:
             nxt = logits.argmax(-1)
         else:
@@ -185,18 +194,24 @@ class Decoder:
             nxt = torch.multinomial(p, 1, generator=gen).squeeze(1)
         return [[t] for t in nxt.tolist()], RoundStats(0, 0, 1, None)
 
-    def _spec_round(self, hist, root, cache, gen, capture, emitted, done, max_new_tokens):
-        draft = self.drafter.propose(DraftContext(hist, cache, self.sampling.temperature, gen))
-        out = self.model.verify(draft.tokens, draft.parents, cache, capture)
-        if self.sampling.greedy:
-            acc = acceptance.greedy(draft.tokens, draft.parents, out.logits)
-        else:
-            acc = acceptance.sample(draft.tokens, draft.parents, out.logits, draft.probs,
+    def _spec_round(self, target, hist, gen, capture, emitted, done, max_new_tokens):
+        draft = self.drafter.propose(DraftContext(hist, target.cache, self.sampling.temperature, gen))
+        tokens = draft.tokens.to(self.model.device)
+        parents = draft.parents.to(self.model.device)
+        out, acc = target.verify(tokens, parents, capture, greedy=self.sampling.greedy)
+        if acc is None:
+            acc = acceptance.sample(tokens, parents, out.logits, draft.probs,
                                     self.sampling.temperature, self.sampling.top_p, gen)
-        B = draft.tokens.shape[0]
-        rows = torch.arange(B, device=draft.tokens.device)[:, None]
-        path_tokens = draft.tokens[rows, acc.path]  # [B, n]; root first
-        lengths, paths, bonus = acc.length.tolist(), path_tokens.tolist(), acc.bonus.tolist()
+        B = tokens.shape[0]
+        rows = torch.arange(B, device=tokens.device)[:, None]
+        width = acc.path.shape[1]
+        padded = tokens if tokens.shape[1] == width else torch.cat(
+            [tokens, tokens[:, -1:].expand(-1, width - tokens.shape[1])], 1)
+        path_tokens = padded[rows, acc.path]  # [B, width]; root first
+        # one device-to-host copy per round: what was accepted
+        top = out.logits[:, 0].argmax(-1)  # the target's greedy token after the root
+        packed = torch.cat([acc.length[:, None], acc.bonus[:, None], top[:, None], path_tokens], 1).tolist()
+        lengths, bonus, paths = [r[0] for r in packed], [r[1] for r in packed], [r[3:] for r in packed]
         new, commit = [], []
         for b in range(B):
             toks = paths[b][1:lengths[b]] + [bonus[b]]
@@ -207,12 +222,12 @@ class Decoder:
                     break
             new.append(toks[:r])
             commit.append(r)  # consumes the root and the first r - 1 accepted drafts
-        length = torch.tensor(commit, device=draft.tokens.device)
-        cache.commit(out.records, acc.path, length, delayed=self.delayed)
+        length = torch.tensor(commit, device=tokens.device)
+        target.commit(out.records, acc.path, length, delayed=self.delayed)
         if self.drafter is not None:
             hidden = {i: h[rows, acc.path] for i, h in out.hidden.items()}
             self.drafter.extend(path_tokens, hidden, length)
         ftm = None
-        if draft.tokens.shape[1] > 1 and int(draft.parents[0, 1]) == 0:
-            ftm = int(draft.tokens[0, 1]) == int(out.logits[0, 0].argmax())
+        if draft.tokens.shape[1] > 1 and int(draft.parents[0, 1]) == 0:  # the drafter's own tensors
+            ftm = int(draft.tokens[0, 1]) == packed[0][2]
         return new, RoundStats(draft.size, lengths[0] - 1, 0, ftm)

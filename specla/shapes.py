@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -44,7 +45,7 @@ def random_model(name_or_cfg, device="cpu", dtype=torch.bfloat16, seed: int = 0)
     from specla.model import GatedDeltaNet, Model
 
     cfg = shape_config(name_or_cfg) if isinstance(name_or_cfg, str) else name_or_cfg
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     with torch.device(device):
         model = Model(cfg)
     with torch.no_grad():
@@ -52,10 +53,11 @@ def random_model(name_or_cfg, device="cpu", dtype=torch.bfloat16, seed: int = 0)
             if name.endswith("norm.weight") or name.endswith("o_norm_weight"):
                 p.fill_(0.0 if cfg.norm_style == "zero_centered" and not name.endswith("o_norm_weight") else 1.0)
             elif p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+                p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
         for m in model.modules():
             if isinstance(m, GatedDeltaNet):
-                m.A_log.copy_(torch.empty(m.HV).uniform_(1, 16, generator=gen).log())
-                dt = torch.exp(torch.rand(m.HV, generator=gen) * (torch.log(torch.tensor(0.1)) - torch.log(torch.tensor(0.001))) + torch.log(torch.tensor(0.001)))
+                # fla's initialisation: A ~ U(1, 16), dt log-uniform in [1e-3, 1e-1]
+                m.A_log.copy_(torch.empty(m.HV, device=device).uniform_(1, 16, generator=gen).log())
+                dt = torch.exp(torch.rand(m.HV, device=device, generator=gen) * math.log(100) + math.log(1e-3))
                 m.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
     return model.to(dtype).eval()

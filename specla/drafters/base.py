@@ -42,6 +42,7 @@ class Drafter:
 
     name = "drafter"
     capture: tuple[int, ...] = ()  # target layers whose residual stream the drafter reads
+    max_nodes: int = 64  # largest topology it proposes, root included (sizes CUDA-graph buffers)
 
     def reset(self, batch: int) -> None:
         """Start a new generation."""

@@ -1,0 +1,55 @@
+"""What every benchmark records beside its numbers: device, versions, commit, date."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+RESULTS = Path("benchmarks/results")
+
+
+def git_commit() -> str:
+    if os.environ.get("SPECLA_COMMIT"):
+        return os.environ["SPECLA_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def environment() -> dict:
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for mod in ("triton", "fla", "transformers"):
+        try:
+            versions[mod] = __import__(mod).__version__
+        except ImportError:
+            versions[mod] = None
+    versions["cuda"] = torch.version.cuda
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    return {"device": device, "versions": versions, "commit": git_commit(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def write_results(name: str, data: dict, out_dir: Path | str = RESULTS) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps({**environment(), **data}, indent=2) + "\n")
+    return path
+
+
+def copy_bandwidth(nbytes: int = 2 ** 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
+    import triton.testing
+
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=200, return_mode="median")
+    return 2 * src.numel() / (ms * 1e-3)
