@@ -113,6 +113,7 @@ def train_target_cmd(
     seq_len: int = typer.Option(1024),
     lr: float = typer.Option(2e-3),
     device: str = typer.Option("auto"),
+    init_from: Optional[Path] = typer.Option(None, help="Continue from an exported run when OUT has no ckpt.pt."),
 ):
     """Pretrain a pure-GDN target (bf16 autocast, fla's chunk kernel on GPU; torchrun for several GPUs)."""
     from specla.api import DEMO_DIR
@@ -122,7 +123,7 @@ def train_target_cmd(
     cfg = ModelConfig(**json.loads(config.read_text())) if config else None
     summary = train_target(out, corpus, tokenizer or DEMO_DIR, config=cfg, total_steps=total_steps,
                            total_minutes=total_minutes, max_minutes=max_minutes, batch_size=batch_size,
-                           seq_len=seq_len, lr=lr, device=device)
+                           seq_len=seq_len, lr=lr, device=device, init_from=init_from)
     typer.echo(json.dumps(summary))
 
 

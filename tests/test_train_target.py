@@ -37,6 +37,10 @@ def test_train_resume_export(tmp_path):
     losses = [r["loss"] for r in log if "loss" in r]
     vals = [r["val_loss"] for r in log if "val_loss" in r]
     assert losses[-1] < losses[0] and len(vals) == 2
+    # a run that lost ckpt.pt continues from the export (weights and counters)
+    again = train_target(tmp_path / "run2", corpus, DEMO_DIR, max_minutes=10.0, init_from=run / "export",
+                         **{**kw, "total_steps": 14})
+    assert again["step"] == 14 and again["tokens_seen"] == second["tokens_seen"] + 2 * 4 * 16
     model = load_model(run / "export")
     assert model.cfg.num_hidden_layers == 1 and (run / "export" / "tokenizer.json").is_file()
     x = torch.randint(0, 8192, (1, 5))

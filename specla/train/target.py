@@ -76,7 +76,7 @@ def train_target(out_dir, corpus_dir, tokenizer_dir, config: ModelConfig | None 
                  total_minutes: float = 16.0, max_minutes: float = 8.0, batch_size: int = 64, seq_len: int = 1024,
                  lr: float = 2e-3, warmup: int = 200, weight_decay: float = 0.1, eval_every: int = 250,
                  eval_batches: int = 8, log_every: int = 10, checkpoint_minutes: float = 2.0, seed: int = 0, device: str = "auto",
-                 progress: bool = True) -> dict:
+                 init_from: Path | None = None, progress: bool = True) -> dict:
     from tqdm import tqdm
 
     from specla.checkpoint import save_model
@@ -101,6 +101,13 @@ def train_target(out_dir, corpus_dir, tokenizer_dir, config: ModelConfig | None 
 
     ckpt_path = out / "ckpt.pt"
     ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False) if ckpt_path.is_file() else None
+    if ckpt is None and init_from is not None:
+        # Continue from an exported run (weights and counters; the optimiser starts afresh),
+        # for when the machine that held ckpt.pt is gone.
+        from specla.checkpoint import load_model
+
+        state = json.loads((Path(init_from) / "training_state.json").read_text())
+        ckpt = {"model": load_model(init_from, dtype=torch.float32).state_dict(), "optimizer": None, **state}
     if ckpt is not None:
         cfg = ModelConfig(**ckpt["config"])
     else:
@@ -114,7 +121,8 @@ def train_target(out_dir, corpus_dir, tokenizer_dir, config: ModelConfig | None 
                             fused=dev.type == "cuda")
     step, train_seconds, tokens_seen = 0, 0.0, 0
     if ckpt is not None:
-        opt.load_state_dict(ckpt["optimizer"])
+        if ckpt["optimizer"] is not None:
+            opt.load_state_dict(ckpt["optimizer"])
         step, train_seconds, tokens_seen = ckpt["step"], ckpt["train_seconds"], ckpt["tokens_seen"]
         total_steps = total_steps or ckpt.get("total_steps")
     net = _LossModule(model)
@@ -214,6 +222,9 @@ def train_target(out_dir, corpus_dir, tokenizer_dir, config: ModelConfig | None 
         log.close()
         export = out / "export"
         save_model(model, export, dtype=torch.bfloat16)
+        (export / "training_state.json").write_text(json.dumps(
+            {"config": dataclasses.asdict(cfg), "step": step, "train_seconds": train_seconds,
+             "tokens_seen": tokens_seen, "total_steps": total_steps}) + "\n")
         for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             if (Path(tokenizer_dir) / f).is_file():
                 shutil.copy(Path(tokenizer_dir) / f, export / f)
