@@ -74,6 +74,17 @@ def bench_decode(
     run(tuple(s for s in shapes.split(",") if s), new_tokens=new_tokens, rounds=rounds, out_dir=out)
 
 
+@train_app.command("card")
+def train_card(
+    model: Path = typer.Option(..., help="Exported model directory; README.md and loss.png are written there."),
+    log: Path = typer.Option(..., help="train_log.jsonl of the runs that produced it."),
+):
+    """Write the model card of a trained target from its training log."""
+    from specla.train.card import write_card
+
+    typer.echo(str(write_card(model, log)))
+
+
 @data_app.command("corpus")
 def data_corpus(
     out: Path = typer.Option(Path(".corpus"), help="Output directory."),
