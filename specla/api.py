@@ -27,7 +27,7 @@ from specla.model import Model
 from specla.topology import as_parents
 
 DEMO_DIR = Path(__file__).parent / "models" / "demo"
-ROUTES = ("ar", "chain", "tree", "mtp")
+ROUTES = ("ar", "chain", "tree", "fla", "mtp")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64, "fp64": torch.float64}
 
@@ -133,7 +133,7 @@ class SpecLA:
             raise InputError("chain length, tree top-k and tree budget must be positive")
         if route == "ar":
             return None
-        if route == "chain":
+        if route in ("chain", "fla"):  # fla: the FLA-SD baseline verifies the same chains
             return NgramDrafter(length=chain_length, topk=1)
         if route == "tree":
             return NgramDrafter(length=max(1, tree_budget // tree_topk), topk=tree_topk, budget=tree_budget)
@@ -148,7 +148,8 @@ class SpecLA:
         ids = self.encode_prompt(prompt, chat)
         decoder = Decoder(self.model, self.drafter(route, chain_length, tree_topk, tree_budget), route,
                           sampling=Sampling(temperature, top_p, seed), delayed=delayed,
-                          eos_token_ids=self.tokenizer.eos_token_ids | set(self.model.cfg.eos_token_id))
+                          eos_token_ids=self.tokenizer.eos_token_ids | set(self.model.cfg.eos_token_id),
+                          executor="fla" if route == "fla" else "specla")
         stream = TextStream(self.tokenizer)
         res: GenerationResult = decoder.generate(
             ids, max_new_tokens, on_tokens=(lambda t: on_text(stream.push(t))) if on_text else None)

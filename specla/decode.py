@@ -19,7 +19,7 @@ import torch
 
 from specla import acceptance
 from specla.drafters.base import DraftContext, Drafter
-from specla.engine import EagerTarget, GraphTarget
+from specla.engine import EagerTarget, FlaTarget, GraphTarget
 from specla.errors import InputError
 from specla.model import Model
 
@@ -81,7 +81,7 @@ class Decoder:
     def __init__(self, model: Model, drafter: Drafter | None = None, route: str | None = None,
                  sampling: Sampling | None = None, delayed: bool = True,
                  eos_token_ids: tuple[int, ...] | set[int] = (), max_context: int | None = None,
-                 prefill_chunk: int = 2048, graphs: bool | None = None):
+                 prefill_chunk: int = 2048, graphs: bool | None = None, executor: str = "specla"):
         self.model = model
         self.route = route or (drafter.name if drafter is not None else "ar")
         self.drafter = drafter
@@ -92,6 +92,9 @@ class Decoder:
         self.prefill_chunk = prefill_chunk
         # CUDA graphs by default on CUDA; `graphs=False` keeps everything eager
         self.graphs = model.device.type == "cuda" if graphs is None else graphs
+        if executor not in ("specla", "fla"):
+            raise InputError(f"unknown executor {executor!r}")
+        self.executor = executor  # "fla": the FLA-SD baseline (fla's model, token replay)
 
     # input checks ----------------------------------------------------------------------------
     def _check(self, prompts: torch.Tensor, max_new_tokens: int) -> None:
@@ -132,7 +135,9 @@ class Decoder:
         result = GenerationResult(tokens=[], route=self.route)
 
         max_len = T + max_new_tokens + 64
-        if self.graphs:
+        if self.executor == "fla":
+            target = FlaTarget(model, B, max_len)
+        elif self.graphs:
             budget = self.drafter.max_nodes if self.drafter is not None else 1
             target = GraphTarget(model, B, max_len, budget, self.delayed)
         else:
@@ -180,7 +185,7 @@ class Decoder:
                         on_tokens(toks)
             result.rounds.append(stats)
             root = torch.tensor([h[-1] for h in hist], device=dev)
-        cache.flush()
+        target.flush()
         _sync(dev)
         result.decode_seconds = time.perf_counter() - t1
         return emitted, result, cache

@@ -1,14 +1,17 @@
-"""Target-side execution for the decode loop: eager, or replayed from CUDA graphs.
+"""Target-side execution for the decode loop: eager, replayed from CUDA graphs, or fla's.
 
 The decode loop needs four target operations — prefill, the AR step, verify + greedy
 acceptance, and commit. `EagerTarget` runs them as plain PyTorch on any device.
 `GraphTarget` (CUDA) captures the last three once, over static buffers: the cache is
 allocated once and updated in place, topologies are padded to a fixed node budget, so every
 round replays the same graphs; the only host synchronisation in a round is reading what
-was accepted (one small copy), which the loop needs to emit tokens anyway.
+was accepted (one small copy), which the loop needs to emit tokens anyway. `FlaTarget` is
+the paper's FLA-SD baseline: fla's own model and kernels, path replay, token-replay commit.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
@@ -37,6 +40,9 @@ class EagerTarget:
 
     def commit(self, records, path, length, delayed: bool) -> None:
         self.cache.commit(records, path, length, delayed)
+
+    def flush(self) -> None:
+        self.cache.flush()
 
 
 class GraphTarget(EagerTarget):
@@ -131,3 +137,75 @@ class GraphTarget(EagerTarget):
         graph, _ = self.graphs.get("commit") or self._capture(
             "commit", lambda: self.cache.commit(self.records, self.path, self.length, self.delayed))
         graph.replay()
+
+
+class FlaTarget(EagerTarget):
+    """FLA-SD (SpecLA §8.1): the same drafts, verified by fla's `GatedDeltaNetForCausalLM`.
+
+    Each root-to-leaf path runs from a copy of fla's cache (shared prefixes recomputed, as
+    fla has no tree verification); the commit replays the accepted tokens through the model
+    (token replay). Pure-GDN fla-format targets, batch 1.
+    """
+
+    def __init__(self, model: Model, batch: int, max_len: int):
+        from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+
+        from specla.checkpoint import _canonical_to_fla
+        from specla.config import to_fla_dict
+
+        if batch != 1:
+            raise ValueError("the fla baseline runs at batch 1")
+        self.model = model
+        self.cache = None  # fla keeps its own cache; nothing of specla's state exists
+        fla_cfg = GatedDeltaNetConfig(**{k: v for k, v in to_fla_dict(model.cfg).items()
+                                         if k not in ("architectures", "model_type")})
+        with torch.device("meta"):
+            self.fla = GatedDeltaNetForCausalLM(fla_cfg)
+        sd = _canonical_to_fla({k: v.detach() for k, v in model.state_dict().items()}, model.cfg)
+        if model.cfg.tie_word_embeddings:
+            sd["lm_head.weight"] = sd["model.embeddings.weight"]
+        self.fla.load_state_dict(sd, assign=True)
+        self.fla.eval()
+        self.pkv = None
+        self.tokens = None
+
+    @torch.no_grad()
+    def _run(self, tokens, pkv, capture):
+        out = self.fla(input_ids=tokens, past_key_values=pkv, use_cache=True,
+                       output_hidden_states=bool(capture))
+        hidden = {i: out.hidden_states[i + 1] for i in capture}
+        return out, hidden
+
+    def prefill(self, tokens, capture=()):
+        out, hidden = self._run(tokens, self.pkv, capture)
+        self.pkv = out.past_key_values
+        return ModelOutput(out.logits, hidden)
+
+    def step(self, root):
+        out, _ = self._run(root[:, None], self.pkv, ())
+        self.pkv = out.past_key_values
+        return out.logits[:, -1]
+
+    def verify(self, tokens, parents, capture=(), greedy=True):
+        from specla.topology import root_to_leaf_paths
+
+        n = tokens.shape[1]
+        logits = torch.empty(1, n, self.model.cfg.vocab_size, device=tokens.device)
+        hidden = {i: torch.empty(1, n, self.model.cfg.hidden_size, device=tokens.device) for i in capture}
+        for path in root_to_leaf_paths(parents[0]):
+            out, hid = self._run(tokens[:, path], copy.deepcopy(self.pkv), capture)
+            logits[:, path] = out.logits.float()
+            for i in capture:
+                hidden[i][:, path] = hid[i].to(hidden[i].dtype)
+        self.tokens = tokens
+        acc = acceptance.greedy(tokens, parents, logits) if greedy else None
+        return ModelOutput(logits, hidden), acc
+
+    def commit(self, records, path, length, delayed):
+        n = int(length[0])
+        if n:
+            out, _ = self._run(self.tokens[:, path[0, :n]], self.pkv, ())
+            self.pkv = out.past_key_values
+
+    def flush(self) -> None:
+        pass

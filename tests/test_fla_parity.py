@@ -51,3 +51,21 @@ def test_save_roundtrip_loads_in_fla(tmp_path, fla_on_cpu):
     fla_model = GatedDeltaNetForCausalLM.from_pretrained(tmp_path).eval()
     with torch.no_grad():
         assert (fla_model(x).logits - want).abs().max().item() < 1e-5
+
+
+def test_fla_route_matches_ar(fla_on_cpu):
+    """The FLA-SD baseline (fla's model, path replay, token-replay commit) emits AR's tokens."""
+    from specla.decode import Decoder
+    from specla.drafters.ngram import NgramDrafter
+
+    from conftest import random_model, tiny_config
+    from drafters import OracleTreeDrafter
+
+    cfg = tiny_config(4, use_short_conv=True, use_gate=True, gate_activation="silu", allow_neg_eigval=False)
+    model = random_model(cfg, 4, dtype=torch.float32)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4, 1]
+    ar = Decoder(model).generate(prompt, 24)
+    for drafter in (NgramDrafter(length=6), OracleTreeDrafter([prompt + ar.tokens], cfg.vocab_size, seed=2)):
+        got = Decoder(model, drafter, "fla", executor="fla").generate(prompt, 24)
+        assert got.tokens == ar.tokens
+        assert any(r.accepted > 0 for r in got.rounds)

@@ -68,4 +68,4 @@ class NgramDrafter(Drafter):
 
     def propose(self, ctx: DraftContext) -> Draft:
         rows = [self._trie(h[-1], self.continuations(h)) for h in ctx.history]
-        return pad_drafts(rows, device=ctx.cache.length.device)
+        return pad_drafts(rows)
