@@ -2,6 +2,17 @@
 
 `SPECLA_BACKEND=torch|triton|auto` (or `set_backend`) overrides the choice; `triton` on CPU
 runs the kernels under Triton's interpreter (TRITON_INTERPRET=1), which is how CI tests them.
+float64 states always take the torch references (the exactness tests; Triton runs fp32).
+
+GDN verification (docs/kernels.md):
+- n = 1 or a chain: the serial verifier (state-resident, nothing materialised);
+- any branching topology: the chain-decomposed hybrid verifier.
+Whether `parents` is a chain is decided once per parent array (cached on the tensor, shared by
+all layers of a round): free for CPU tensors and n = 1, one host sync on CUDA, and no decision
+inside a CUDA-graph capture, where the hybrid runs (on a chain it is a single chain, i.e. the
+serial loop plus a ticket; it is correct for every topology of that size on replay).
+The kernel modules are imported on first use so that importing specla never compiles or
+configures Triton.
 """
 
 from __future__ import annotations
@@ -39,24 +50,94 @@ def use_triton(t: torch.Tensor) -> bool:
     return _backend == "triton" or (_backend == "auto" and t.is_cuda)
 
 
+def _gdn_triton(state: torch.Tensor) -> bool:
+    return use_triton(state) and state.dtype == torch.float32
+
+
+# From this many tokens on, a plain sequence goes to fla's chunk (prefill) kernel: its fixed
+# cost (~26 us per layer in graph replay, DESIGN §6) beats a recurrence at ~1 us per token.
+CHUNK_MIN_TOKENS = 64
+
+
 def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None):
-    return gdn_ref.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending)
+    if not _gdn_triton(state):
+        return gdn_ref.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending)
+    from specla.ops.gdn import hybrid, schedule, serial
+
+    if schedule.plan_for(parents).is_chain(parents):
+        return serial.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, chain=True)
+    return hybrid.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending)
+
+
+def gdn_tree_verify_serial(q, k, v, g, beta, state, parents, scale, pending=None, **options):
+    """The serial verifier for any topology (benchmarks; dispatch picks it for chains)."""
+    from specla.ops.gdn import serial
+
+    return serial.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, **options)
+
+
+def gdn_tree_verify_parallel(q, k, v, g, beta, state, parents, scale, pending=None, **options):
+    """The tree-masked parallel (UT form) verifier (benchmarks; not picked by dispatch)."""
+    from specla.ops.gdn import parallel
+
+    return parallel.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, **options)
+
+
+def gdn_tree_verify_hybrid(q, k, v, g, beta, state, parents, scale, pending=None, **options):
+    """The chain-decomposed hybrid verifier (benchmarks; dispatch picks it for trees)."""
+    from specla.ops.gdn import hybrid
+
+    return hybrid.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, **options)
 
 
 def gdn_commit(state, k, g, u, path, length):
-    return gdn_ref.gdn_commit(state, k, g, u, path, length)
+    if not _gdn_triton(state):
+        return gdn_ref.gdn_commit(state, k, g, u, path, length)
+    from specla.ops.gdn import commit
+
+    return commit.gdn_commit(state, k, g, u, path, length)
+
+
+def _fla_chunk():
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule
 
 
 def gdn_sequence(q, k, v, g, beta, state, scale):
-    return gdn_ref.gdn_recurrent(q, k, v, g, beta, state, scale)
+    """Consume a plain sequence: short ones (decode, chains) on the serial kernel, long ones
+    (prefill) on fla's chunk kernel; without fla everything runs on the serial kernel."""
+    if not _gdn_triton(state):
+        return gdn_ref.gdn_recurrent(q, k, v, g, beta, state, scale)
+    chunk = _fla_chunk() if v.shape[1] >= CHUNK_MIN_TOKENS else None
+    if chunk is None:
+        from specla.ops.gdn import serial
+
+        return serial.gdn_chain_sequence(q, k, v, g, beta, state, scale)
+    # fla layout: q, k [B, T, H, K], v [B, T, HV, V], log-decay g and beta [B, T, HV], state
+    # [B, HV, K, V] (state_v_first=False); q and k arrive l2-normalised.
+    o, final = chunk(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=state,
+                     output_final_state=True, use_qk_l2norm_in_kernel=False)
+    state.copy_(final)
+    return o.to(state.dtype)
 
 
 def tree_conv(x, conv_state, weight, bias, parents):
-    return conv_ref.tree_conv(x, conv_state, weight, bias, parents)
+    if not use_triton(x) or x.dtype == torch.float64:
+        return conv_ref.tree_conv(x, conv_state, weight, bias, parents)
+    from specla.ops.conv import triton as conv_triton
+
+    return conv_triton.tree_conv(x, conv_state, weight, bias, parents)
 
 
 def conv_commit(conv_state, x, path, length):
-    return conv_ref.conv_commit(conv_state, x, path, length)
+    if not use_triton(conv_state) or conv_state.dtype == torch.float64:
+        return conv_ref.conv_commit(conv_state, x, path, length)
+    from specla.ops.conv import triton as conv_triton
+
+    return conv_triton.conv_commit(conv_state, x, path, length)
 
 
 def conv_sequence(x, conv_state, weight, bias):

@@ -1,0 +1,1 @@
+"""Benchmarks (`specla bench ...`); each module has a `run(...) -> dict` entry point."""

@@ -1,0 +1,91 @@
+"""Compile every Triton kernel variant for an NVIDIA target without a GPU, and report spills.
+
+The CPU test suite runs the kernels under Triton's interpreter, which checks their semantics
+but not that they compile: this runs the real compiler (TTIR -> PTX -> ptxas cubin) for sm_90
+at the paper shape, with the 16-byte pointer alignment the JIT specialises on at run time, and
+reports each variant's registers and spill bytes from `ptxas -v`.
+
+    python -m specla.ops.aot_check          (TRITON_INTERPRET must be unset)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+POINTERS = {
+    "parents": "*i64", "chain_nodes": "*i32", "chain_len": "*i32", "light": "*i32", "n_chains": "*i32",
+    "flags": "*i32",
+    "plen": "*i64", "path": "*i64", "length": "*i64",
+    "x": "*bf16", "conv_state": "*bf16", "weight": "*bf16", "y": "*bf16",
+}
+SCALARS = {"scale": "fp32", "n": "i32", "P": "i32", "C": "i32", "n_tiles": "i32"}
+
+
+def variants(H=8, HV=8, K=256, V=256):
+    """(name, kernel, constexprs, num_warps) for every variant the dispatch and benchmarks use."""
+    from specla.ops.conv import triton as conv
+    from specla.ops.gdn import commit, parallel, serial
+
+    for BV, warps in ((8, 1), (8, 2), (8, 4), (16, 2), (16, 4), (16, 8), (32, 8)):
+        for tree, hybrid, pending, final in ((False, False, False, False), (False, False, False, True),
+                                             (True, False, True, False), (True, True, True, False),
+                                             (True, True, False, False)):
+            kind = "hybrid" if hybrid else "tree" if tree else "sequence" if final else "chain"
+            yield (f"verify[{kind}{'+pending' if pending else ''}] BV={BV} w={warps}", serial.tree_verify_kernel,
+                   dict(H=H, HV=HV, K=K, V=V, BK=K, BV=BV, NV=V // BV, NP=64, PP=16 if BV >= 16 else 8,
+                        USE_DOT=BV >= 16, TREE=tree, HYBRID=hybrid,
+                        HAS_PENDING=pending, STORE_U=not final, WRITE_FINAL=final), warps)
+    for NT, BV in ((16, 32), (32, 32), (64, 16)):
+        yield (f"parallel NT={NT} BV={BV}", parallel._parallel_verify_kernel,
+               dict(H=H, HV=HV, K=K, V=V, BKC=16, BV=BV, NV=V // BV, NT=NT), 8)
+    for BV in (16, 32):
+        yield (f"commit BV={BV}", commit._commit_kernel,
+               dict(H=H, HV=HV, K=K, V=V, BK=K, BV=BV, NV=V // BV, PP=16, USE_DOT=True), 4)
+    for NP in (16, 64):
+        yield f"tree_conv NP={NP}", conv._tree_conv_kernel, dict(W=4, NP=NP, BC=2048 // NP, HAS_BIAS=False), 4
+    yield "conv_commit", conv._conv_commit_kernel, dict(W=4, WP=4, BC=128), 4
+
+
+def compile_variant(kernel, consts, num_warps, arch=90):
+    """Compile one variant; returns (compiled kernel, ptxas -v summary dict)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    sig = {a: "constexpr" if a in consts else "i32" if a.startswith("s_") else SCALARS.get(a, POINTERS.get(a, "*fp32"))
+           for a in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if sig[a].startswith("*")}
+    compiled = triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": num_warps})
+    with tempfile.TemporaryDirectory() as d:
+        ptx = os.path.join(d, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        log = subprocess.run([get_ptxas(arch).path, "-v", f"-arch=sm_{arch}a", ptx, "-o", os.path.join(d, "k.o")],
+                             capture_output=True, text=True, check=True).stderr
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+    return compiled, {"registers": regs, "spill_bytes": spills}
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("unset TRITON_INTERPRET: the interpreter replaces the compiler", file=sys.stderr)
+        return 2
+    worst = 0
+    for name, kernel, consts, warps in variants():
+        _, info = compile_variant(kernel, consts, warps)
+        print(f"{name:48s} registers {info['registers']:3d}  spill bytes {info['spill_bytes']}")
+        if not name.startswith("parallel"):
+            worst = max(worst, info["spill_bytes"])
+    return 1 if worst else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

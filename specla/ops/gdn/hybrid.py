@@ -1,0 +1,40 @@
+"""Chain-decomposed hybrid verifier (SpecLA §4.3).
+
+The topology is split into node-disjoint chains by heavy-light decomposition
+(`schedule.hld_schedule`, built on the device from the parent array, no host sync). Each chain
+runs on the serial verifier's inner loop with its state tile resident; chains run in parallel
+as soon as their boundary state is ready.
+
+One launch per layer, grid = (chain slots = n) × (rows × value heads × V-tiles). A program takes
+a ticket from an atomic counter and works on item `ticket` in chain-major order, so the launch
+order of programs does not matter. A chain that starts below the root spins on a per-(boundary
+node, tile) flag that its parent chain's program raises right after storing the boundary tile;
+chains are ranked topologically, so it only ever waits on a program that is already running.
+The schedule is a fixed-size table padded to n chains of n nodes and the grid depends only on
+n, so a verify captured in a CUDA graph replays correctly for any topology of the same size.
+A chain waits for exactly its own boundary node, not for a whole "level" of chains.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from specla.ops.gdn import serial
+from specla.ops.gdn.schedule import plan_for
+
+
+def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, *,
+                    block_v: int = 16, num_warps: int = 4):
+    """Same contract as `naive.gdn_tree_verify` (fp32 state)."""
+    B, n, HV, V = v.shape
+    BV = serial.block_size(V, block_v)
+    n_tiles = B * HV * triton.cdiv(V, BV)
+    sched = plan_for(parents).hld(parents)  # cached on the caller's tensor: once per round
+    parents = parents.contiguous()
+    # ticket counter (slot 0) and one ready flag per (row, node, head, V-tile), zeroed per launch
+    flags = torch.zeros(1 + n * n_tiles, dtype=torch.int32, device=state.device)
+    return serial.launch(q, k, v, g, beta, state, parents, scale, pending,
+                         grid=(n * n_tiles,), tree=True,
+                         hybrid=(sched.nodes, sched.length, sched.light, sched.count, flags),
+                         block_v=BV, num_warps=num_warps)

@@ -1,0 +1,219 @@
+"""State-resident serial verifier (SpecLA §4.1) and the kernel the hybrid verifier shares.
+
+One program per (batch row, value head, V-tile) keeps its K×BV fp32 state tile in registers
+across every node (full K per program, so o = Sᵀq needs no cross-program reduction), visiting
+the nodes in topological order. A node whose parent is not the node just processed restores its
+parent's tile from a scratch buffer; only *boundary* nodes — those with a child that is not
+their immediate successor — store their tile there, so a chain materialises no state at all.
+
+Per node j, with the parent's tile S resident and γ = exp(g_j):
+    u_j = β_j (v_j - γ Sᵀk_j)                (the corrected update the commit consumes)
+    o_j = scale (γ Sᵀq_j + (q_j·k_j) u_j)     (= scale S_jᵀ q_j, without a second pass)
+    S_j = γ S + k_j u_jᵀ
+Sᵀk, Sᵀq and q·k come out of one reduction over K, so each node costs one cross-warp exchange
+and one pass over the tile; node j+1's inputs are loaded while node j computes, hiding their
+memory latency behind the recurrence.
+
+`pending = (k, g, u, length)` (delayed update, SpecLA §5.2): the tile is advanced along the
+pending accepted path right after it is loaded, written back to `state` (the durable state now
+includes the previous round's commit), and verification continues from the advanced tile.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specla.ops.gdn.commit import advance_tile, pending_args
+
+
+@triton.jit
+def _sum3(a0, b0, c0, a1, b1, c1):
+    return a0 + a1, b0 + b1, c0 + c1
+
+
+@triton.jit
+def _pick(vec, idx, i):
+    """vec[i] for a register vector (Triton has no dynamic register indexing)."""
+    return tl.sum(tl.where(idx == i, vec, 0), 0)
+
+
+@triton.jit(do_not_specialize=["n", "P", "n_tiles"])
+def tree_verify_kernel(
+    q, k, v, g, beta, state, o, u, parents, scratch,
+    chain_nodes, chain_len, light, n_chains, flags,
+    pk, pg, pu, plen,
+    scale, n, P, n_tiles,
+    s_qb, s_qn, s_kb, s_kn, s_vb, s_vn,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, NP: tl.constexpr, PP: tl.constexpr,
+    USE_DOT: tl.constexpr, TREE: tl.constexpr, HYBRID: tl.constexpr, HAS_PENDING: tl.constexpr,
+    STORE_U: tl.constexpr, WRITE_FINAL: tl.constexpr,
+):
+    """TREE=False: nodes form a chain (parents ignored). TREE, not HYBRID: all n nodes in one
+    program per tile (serial verifier). HYBRID: one program per (chain, tile), see hybrid.py."""
+    if HYBRID:
+        # Work items are handed out in ticket order, chain-major, and chains are ranked
+        # topologically: every item waits only on items with smaller tickets, all of which
+        # belong to programs already running, so the spin-waits below cannot deadlock.
+        # Programs past the real number of items take no ticket (the grid is padded to n chains).
+        live = tl.program_id(0) < tl.load(n_chains) * n_tiles
+        ticket = tl.where(live, tl.atomic_add(flags, 1, mask=live), n * n_tiles)
+        c = ticket // n_tiles
+        r = ticket % n_tiles
+    else:
+        c = 0
+        r = tl.program_id(0)
+    b = r // (HV * NV)
+    hv = (r // NV) % HV
+    vt = r % NV
+    i_h = hv // (HV // H)
+
+    idx = tl.arange(0, NP)
+    if TREE:
+        prow = tl.load(parents + b * n + idx, mask=idx < n, other=-1).to(tl.int32)
+    if HYBRID:
+        L = tl.load(chain_len + b * n + c, mask=c < n, other=0)
+        nrow = tl.load(chain_nodes + (b * n + c) * n + idx, mask=idx < L, other=-1)
+        lrow = tl.load(light + b * n + idx, mask=idx < n, other=0)
+        node = _pick(nrow, idx, 0)
+    else:
+        L = n
+        node = tl.program_id(0) * 0  # a tensor, like the hybrid's: it is loop-carried
+
+    o_k = tl.arange(0, BK)
+    o_v = vt * BV + tl.arange(0, BV)
+    mk, mv = o_k < K, o_v < V
+    m_S = mk[:, None] & mv[None, :]
+    tile = o_k[:, None] * V + o_v[None, :]
+    p_S = state + (b * HV + hv).to(tl.int64) * K * V + tile
+
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    if node == 0:  # this program starts at the root: it owns the durable tile
+        S = tl.load(p_S, mask=m_S, other=0.0)
+        if HAS_PENDING:
+            S = advance_tile(S, b, hv, i_h, pk, pg, pu, plen, plen, P, P, o_k, mk, o_v, mv,
+                             H, HV, K, V, PP, False, USE_DOT)
+            if tl.load(plen + b) > 0:  # an empty pending buffer leaves the state as it is
+                tl.store(p_S, S, mask=m_S)
+
+    p_q = q + b.to(tl.int64) * s_qb + i_h * K + o_k
+    p_k = k + b.to(tl.int64) * s_kb + i_h * K + o_k
+    p_v = v + b.to(tl.int64) * s_vb + hv * V + o_v
+    p_gb = b * n * HV + hv  # g and beta are contiguous [B, n, HV]
+    ok = node >= 0
+    b_q = tl.load(p_q + node * s_qn, mask=mk & ok, other=0.0).to(tl.float32)
+    b_k = tl.load(p_k + node * s_kn, mask=mk & ok, other=0.0).to(tl.float32)
+    b_v = tl.load(p_v + node * s_vn, mask=mv & ok, other=0.0).to(tl.float32)
+    b_g = tl.load(g + p_gb + node * HV, mask=ok, other=0.0).to(tl.float32)
+    b_b = tl.load(beta + p_gb + node * HV, mask=ok, other=0.0).to(tl.float32)
+    prev = node * 0 - 1
+    for t in range(0, L):
+        cur, c_q, c_k, c_v, c_g, c_b = node, b_q, b_k, b_v, b_g, b_b
+        # prefetch the next node's inputs; they do not depend on the state
+        if HYBRID:
+            node = _pick(nrow, idx, t + 1)
+        else:
+            node = cur + 1
+        ok = t + 1 < L
+        b_q = tl.load(p_q + node * s_qn, mask=mk & ok, other=0.0).to(tl.float32)
+        b_k = tl.load(p_k + node * s_kn, mask=mk & ok, other=0.0).to(tl.float32)
+        b_v = tl.load(p_v + node * s_vn, mask=mv & ok, other=0.0).to(tl.float32)
+        b_g = tl.load(g + p_gb + node * HV, mask=ok, other=0.0).to(tl.float32)
+        b_b = tl.load(beta + p_gb + node * HV, mask=ok, other=0.0).to(tl.float32)
+
+        if TREE:
+            par = _pick(prow, idx, cur)
+            if par != prev:  # the tile in registers is not the parent's: restore it
+                if HYBRID:
+                    flag = flags + 1 + ((b * n + par) * HV + hv) * NV + vt
+                    while tl.atomic_add(flag, 0, sem="acquire") == 0:
+                        pass
+                tl.debug_barrier()
+                p_src = scratch + ((b * n + par) * HV + hv).to(tl.int64) * K * V + tile
+                S = tl.load(p_src, mask=m_S, other=0.0, cache_modifier=".cg")
+
+        # one reduction pass (one cross-warp exchange) gives Sᵀk, Sᵀq and q·k together; the
+        # decay is applied to the reduced vectors, not to the tile first
+        gamma = tl.exp(c_g)
+        kS, qS, qk = tl.reduce((S * c_k[:, None], S * c_q[:, None], (c_q * c_k)[:, None] + tl.zeros_like(S)),
+                               0, _sum3)
+        b_u = c_b * (c_v - gamma * kS)
+        S = S * gamma + c_k[:, None] * b_u[None, :]
+        b_o = (gamma * qS + qk * b_u) * scale
+        p_out = ((b * n + cur) * HV + hv).to(tl.int64) * V + o_v
+        tl.store(o + p_out, b_o, mask=mv)
+        if STORE_U:
+            tl.store(u + p_out, b_u, mask=mv)
+
+        if TREE:
+            if HYBRID:
+                boundary = _pick(lrow, idx, cur) > 0
+            else:
+                boundary = tl.sum(((prow == cur) & (idx != cur + 1)).to(tl.int32), 0) > 0
+            if boundary:
+                p_dst = scratch + ((b * n + cur) * HV + hv).to(tl.int64) * K * V + tile
+                tl.store(p_dst, S, mask=m_S)
+                if HYBRID:
+                    tl.debug_barrier()  # every thread's part of the tile is stored before the flag
+                    tl.atomic_xchg(flags + 1 + ((b * n + cur) * HV + hv) * NV + vt, 1, sem="release")
+        prev = cur
+
+    if WRITE_FINAL:
+        tl.store(p_S, S, mask=m_S)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[B, n, heads, D] with each token's [heads, D] block contiguous (batch/token strides free)."""
+    if x.stride(3) != 1 or x.stride(2) != x.shape[3]:
+        x = x.contiguous()
+    return x
+
+
+def launch(q, k, v, g, beta, state, parents, scale, pending, *, grid, tree, hybrid=None,
+           store_u=True, write_final=False, block_v, num_warps):
+    """Allocate outputs and run `tree_verify_kernel`; returns (o, u)."""
+    B, n, HV, V = v.shape
+    H, K = k.shape[2], k.shape[3]
+    dev = state.device
+    q, k, v = _rows(q), _rows(k), _rows(v)
+    o = torch.empty(B, n, HV, V, dtype=state.dtype, device=dev)
+    u = torch.empty_like(o) if store_u else o
+    # boundary tiles, indexed by node id; allocation only: just the boundaries are written
+    scratch = torch.empty(B, n, HV, K, V, dtype=torch.float32, device=dev) if tree else o
+    pk, pg, pu, plen, P, PP, use_dot, has_pending = pending_args(pending, dev, block_v, K)
+    sched = (parents,) * 5 if hybrid is None else hybrid
+    tree_verify_kernel[grid](
+        q, k, v, g.contiguous(), beta.contiguous(), state, o, u, parents, scratch, *sched,
+        pk, pg, pu, plen, scale, n, P, B * HV * triton.cdiv(V, block_v),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=block_v, NV=triton.cdiv(V, block_v),
+        NP=triton.next_power_of_2(n) if tree else 1, PP=PP, USE_DOT=use_dot, TREE=tree, HYBRID=hybrid is not None,
+        HAS_PENDING=has_pending, STORE_U=store_u, WRITE_FINAL=write_final, num_warps=num_warps)
+    return o, u
+
+
+def block_size(V: int, block_v: int) -> int:
+    return min(block_v, triton.next_power_of_2(V))
+
+
+def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, *,
+                    chain: bool = False, block_v: int = 16, num_warps: int = 4):
+    """Same contract as `naive.gdn_tree_verify` (fp32 state). `chain=True` promises
+    parents[:, j] = j - 1, which skips the topology bookkeeping."""
+    B, n, HV, V = v.shape
+    BV = block_size(V, block_v)
+    grid = (B * HV * triton.cdiv(V, BV),)
+    return launch(q, k, v, g, beta, state, parents.contiguous(), scale, pending, grid=grid,
+                  tree=not chain, block_v=BV, num_warps=num_warps)
+
+
+def gdn_chain_sequence(q, k, v, g, beta, state, scale, *, block_v: int = 16, num_warps: int = 4):
+    """AR/prefill contract of `naive.gdn_recurrent`: consume the tokens, advance `state` in place."""
+    B, n, HV, V = v.shape
+    BV = block_size(V, block_v)
+    grid = (B * HV * triton.cdiv(V, BV),)
+    o, _ = launch(q, k, v, g, beta, state, state, scale, None, grid=grid, tree=False,
+                  store_u=False, write_final=True, block_v=BV, num_warps=num_warps)
+    return o

@@ -1,0 +1,63 @@
+"""Triton short-conv kernels equal their torch references (interpreter on CPU)."""
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kernel_cases import KINDS, close, parents_of
+
+from specla import ops
+from specla.ops.conv import naive
+from specla.ops.conv import triton as conv_triton
+
+HYP = settings(max_examples=15, deadline=None, derandomize=True,
+               suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@HYP
+@given(B=st.sampled_from([1, 2]), n=st.integers(1, 12), kinds=st.tuples(st.sampled_from(KINDS), st.sampled_from(KINDS)),
+       C=st.sampled_from([8, 40, 130]), W=st.sampled_from([2, 3, 4]), bias=st.booleans(), strided=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_tree_conv_matches_reference(B, n, kinds, C, W, bias, strided, seed, poison):
+    g = torch.Generator().manual_seed(seed)
+    par = torch.tensor([parents_of(kinds[b], n, seed + b) for b in range(B)])
+    wide = torch.randn(B, n, 2 * C + 3, generator=g)
+    x = wide[:, :, 3:C + 3] if strided else wide[:, :, :C].contiguous()  # the model passes a split view
+    conv_state = torch.randn(B, C, W - 1, generator=g)
+    weight = torch.randn(C, W, generator=g)
+    b = torch.randn(C, generator=g) if bias else None
+    ref = naive.tree_conv(x, conv_state, weight, b, par)
+    out = conv_triton.tree_conv(x, conv_state, weight, b, par)
+    close(out, ref, "tree_conv")
+
+
+@HYP
+@given(B=st.sampled_from([1, 2]), n=st.integers(1, 8), P=st.integers(1, 6), C=st.sampled_from([8, 130]),
+       W=st.sampled_from([2, 4]), seed=st.integers(0, 2**16))
+def test_conv_commit_matches_reference(B, n, P, C, W, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, n, C, generator=g)
+    conv_state = torch.randn(B, C, W - 1, generator=g)
+    path = torch.randint(0, n, (B, P), generator=g)
+    for length in (torch.zeros(B, dtype=torch.long), torch.full((B,), P), torch.randint(0, P + 1, (B,), generator=g)):
+        ref, out = conv_state.clone(), conv_state.clone()
+        naive.conv_commit(ref, x, path, length)
+        conv_triton.conv_commit(out, x, path, length)
+        assert torch.equal(out, ref), f"length {length.tolist()}"
+
+
+def test_conv_dispatch_and_bf16():
+    g = torch.Generator().manual_seed(0)
+    B, n, C, W = 1, 6, 24, 4
+    par = torch.tensor([[-1, 0, 1, 1, 0, 4]])
+    x = torch.randn(B, n, C, generator=g).bfloat16()
+    conv_state = torch.randn(B, C, W - 1, generator=g).bfloat16()
+    weight = torch.randn(C, W, generator=g).bfloat16()
+    ref = naive.tree_conv(x.float(), conv_state.float(), weight.float(), None, par)
+    with ops.backend("triton"):
+        out = ops.tree_conv(x, conv_state, weight, None, par)
+        assert out.dtype == torch.bfloat16
+        assert (out.float() - ref).abs().max() < 2e-2 * ref.abs().max()
+        st_ref, st_out = conv_state.clone(), conv_state.clone()
+        naive.conv_commit(st_ref, x, torch.tensor([[0, 4, 5]]), torch.tensor([3]))
+        ops.conv_commit(st_out, x, torch.tensor([[0, 4, 5]]), torch.tensor([3]))
+        assert torch.equal(st_out, st_ref)

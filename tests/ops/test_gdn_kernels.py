@@ -1,0 +1,249 @@
+"""Triton GDN kernels equal their torch references (interpreter on CPU, tiny shapes)."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kernel_cases import KINDS, close, inputs, parents_of
+from specla import ops, topology
+from specla.bench.trees import beam_tree
+from specla.ops.gdn import commit, hybrid, naive, parallel, schedule, serial
+
+HYP = settings(max_examples=25, deadline=None, derandomize=True,
+               suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+VERIFIERS = {"serial": serial.gdn_tree_verify, "hybrid": hybrid.gdn_tree_verify,
+             "parallel": parallel.gdn_tree_verify}
+
+
+def pending_of(B, P, H, HV, K, V, seed):
+    g = torch.Generator().manual_seed(seed + 1)
+    pk = torch.nn.functional.normalize(torch.randn(B, P, H, K, generator=g), dim=-1)
+    pg = -torch.rand(B, P, HV, generator=g) * 0.5
+    pu = torch.randn(B, P, HV, V, generator=g)
+    plen = torch.randint(0, P + 1, (B,), generator=g)
+    return pk, pg, pu, plen
+
+
+shapes = st.fixed_dictionaries({
+    "B": st.sampled_from([1, 2]),
+    "n": st.integers(1, 11),
+    "kinds": st.tuples(st.sampled_from(KINDS), st.sampled_from(KINDS)),
+    "heads": st.sampled_from([(1, 1), (1, 2), (2, 4)]),  # (H, HV): GVA when HV > H
+    "K": st.sampled_from([16, 32]),
+    "V": st.sampled_from([16, 32]),
+    "P": st.sampled_from([0, 1, 3]),  # pending path width (0: none)
+    "bf16": st.booleans(),
+    "seed": st.integers(0, 2**16),
+})
+
+
+@pytest.mark.parametrize("name", list(VERIFIERS))
+@HYP
+@given(c=shapes)
+def test_verifier_matches_reference(name, c, poison):
+    B, n, (H, HV), K, V = c["B"], c["n"], c["heads"], c["K"], c["V"]
+    par = torch.tensor([parents_of(c["kinds"][b], n, c["seed"] + b) for b in range(B)])
+    q, k, v, g, beta, S = inputs(B, n, H, HV, K, V, c["seed"], torch.bfloat16 if c["bf16"] else torch.float32)
+    pend = pending_of(B, c["P"], H, HV, K, V, c["seed"]) if c["P"] else None
+    S_ref, S_out = S.clone(), S.clone()
+    ro, ru = naive.gdn_tree_verify(q, k, v, g, beta, S_ref, par, K ** -0.5, pend)
+    o, u = VERIFIERS[name](q, k, v, g, beta, S_out, par, K ** -0.5, pend)
+    close(o, ro, f"{name} o")
+    close(u, ru, f"{name} u")
+    close(S_out, S_ref, f"{name} state")  # untouched, or advanced by the pending path
+
+
+@pytest.mark.parametrize("block_v,num_warps", [(8, 1), (16, 2), (32, 4)])
+def test_serial_tilings(block_v, num_warps, poison):
+    par = torch.tensor([beam_tree(3, 4, 9, seed=1)])
+    q, k, v, g, beta, S = inputs(1, 10, 1, 2, 16, 32, 3)
+    ro, ru = naive.gdn_tree_verify(q, k, v, g, beta, S.clone(), par, 0.25)
+    for fn in (serial.gdn_tree_verify, hybrid.gdn_tree_verify):
+        o, u = fn(q, k, v, g, beta, S.clone(), par, 0.25, block_v=block_v, num_warps=num_warps)
+        close(o, ro, "o")
+        close(u, ru, "u")
+
+
+def test_serial_chain_mode_and_sequence(poison):
+    n = 7
+    par = topology.chain(n, batch=2)
+    q, k, v, g, beta, S = inputs(2, n, 1, 2, 16, 16, 5)
+    ro, ru = naive.gdn_tree_verify(q, k, v, g, beta, S.clone(), par, 0.25)
+    o, u = serial.gdn_tree_verify(q, k, v, g, beta, S.clone(), par, 0.25, chain=True)
+    close(o, ro, "o")
+    close(u, ru, "u")
+    S_ref, S_out = S.clone(), S.clone()
+    ro = naive.gdn_recurrent(q, k, v, g, beta, S_ref, 0.25)
+    o = serial.gdn_chain_sequence(q, k, v, g, beta, S_out, 0.25)
+    close(o, ro, "sequence o")
+    close(S_out, S_ref, "sequence state")
+
+
+def test_strided_value_input(poison):
+    """v as the model makes it: a split view of a wider projection (token stride != HV*V)."""
+    B, n, H, HV, K, V = 1, 6, 1, 2, 16, 16
+    q, k, _, g, beta, S = inputs(B, n, H, HV, K, V, 7)
+    wide = torch.randn(B, n, 3 * HV * V)
+    v = wide[:, :, HV * V: 2 * HV * V].reshape(B, n, HV, V)
+    par = torch.tensor([[-1, 0, 1, 0, 3, 3]])
+    ro, ru = naive.gdn_tree_verify(q, k, v, g, beta, S.clone(), par, 0.25)
+    for name, fn in VERIFIERS.items():
+        o, u = fn(q, k, v, g, beta, S.clone(), par, 0.25)
+        close(o, ro, name)
+        close(u, ru, name)
+
+
+@HYP
+@given(B=st.sampled_from([1, 2]), n=st.integers(1, 9), heads=st.sampled_from([(1, 1), (1, 2), (2, 4)]),
+       V=st.sampled_from([16, 32]), P=st.integers(1, 6), seed=st.integers(0, 2**16))
+def test_commit_matches_reference(B, n, heads, V, P, seed, poison):
+    H, HV = heads
+    K = 16
+    g0 = torch.Generator().manual_seed(seed)
+    _, k, _, g, _, S = inputs(B, n, H, HV, K, V, seed)
+    u = torch.randn(B, n, HV, V, generator=g0)
+    path = torch.randint(0, n, (B, P), generator=g0)
+    # lengths below the path width, including 0
+    length = torch.tensor([0, P][:B]) if seed % 3 == 0 else torch.randint(0, P + 1, (B,), generator=g0)
+    S_ref, S_out = S.clone(), S.clone()
+    naive.gdn_commit(S_ref, k, g, u, path, length)
+    commit.gdn_commit(S_out, k, g, u, path, length)
+    close(S_out, S_ref, "commit")
+
+
+def test_fused_equals_commit_then_verify(poison):
+    """Delayed update: verify(pending) == commit, then verify from the committed state."""
+    B, n, H, HV, K, V = 2, 8, 1, 2, 16, 16
+    par = torch.tensor([parents_of("random", n, 1), parents_of("deep", n, 2)])
+    q, k, v, g, beta, S = inputs(B, n, H, HV, K, V, 11)
+    pk, pg, pu, _ = pending_of(B, 4, H, HV, K, V, 11)
+    plen = torch.tensor([4, 0])
+    S_sep = S.clone()
+    commit.gdn_commit(S_sep, pk, pg, pu, torch.arange(4).expand(B, 4), plen)
+    so, su = hybrid.gdn_tree_verify(q, k, v, g, beta, S_sep, par, 0.25)
+    for name, fn in VERIFIERS.items():
+        S_fused = S.clone()
+        fo, fu = fn(q, k, v, g, beta, S_fused, par, 0.25, (pk, pg, pu, plen))
+        close(fo, so, name)
+        close(fu, su, name)
+        close(S_fused, S_sep, name)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(n=st.integers(1, 40), kind=st.sampled_from(KINDS), seed=st.integers(0, 2**16))
+def test_hybrid_schedule_covers_each_node_once_in_dependency_order(n, kind, seed):
+    p = parents_of(kind, n, seed)
+    par = torch.tensor([p, parents_of("random", n, seed + 1)])
+    sched = schedule.hld_schedule(par)
+    for b in range(2):
+        pb = par[b].tolist()
+        chains = [sched.nodes[b, c, :L].tolist() for c, L in enumerate(sched.length[b].tolist()) if L > 0]
+        assert sum(sched.length[b].tolist()) == n
+        assert sorted(x for ch in chains for x in ch) == list(range(n))  # every node exactly once
+        owner = {x: c for c, ch in enumerate(chains) for x in ch}
+        for c, ch in enumerate(chains):
+            assert all(pb[ch[i + 1]] == ch[i] for i in range(len(ch) - 1))  # a chain is a path
+            head_parent = pb[ch[0]]
+            if c == 0:
+                assert ch[0] == 0
+            else:  # its boundary state comes from an earlier chain, which marks it
+                assert head_parent >= 0 and owner[head_parent] < c
+                assert sched.light[b, head_parent] == 1
+        light = {pb[ch[0]] for ch in chains[1:]}
+        assert {i for i in range(n) if sched.light[b, i]} == light
+        assert sorted(map(sorted, chains)) == sorted(map(sorted, topology.heavy_light_chains(par[b])))
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(n=st.integers(1, 30), kind=st.sampled_from(KINDS), seed=st.integers(0, 2**16))
+def test_ancestor_closure(n, kind, seed):
+    par = torch.tensor([parents_of(kind, n, seed)])
+    W = n + 3
+    m = schedule.ancestor_closure(par, W)
+    assert torch.equal(m[:, :n, :n] > 0, topology.ancestor_mask(par))
+    assert not m[:, n:].any() and not m[:, :, n:].any()
+
+
+def test_plan_cache_follows_in_place_writes():
+    par = torch.tensor([[-1, 0, 1, 2]])
+    plan = schedule.plan_for(par)
+    assert plan.is_chain(par) and schedule.plan_for(par) is plan
+    par[0, 3] = 1
+    assert schedule.plan_for(par) is not plan and schedule.plan_for(par).is_chain(par) is False
+
+
+def test_dispatch_picks_serial_for_chains_and_hybrid_for_trees(monkeypatch):
+    calls = []
+    for mod, name in ((serial, "serial"), (hybrid, "hybrid")):
+        real = mod.gdn_tree_verify
+        monkeypatch.setattr(mod, "gdn_tree_verify",
+                            lambda *a, _r=real, _n=name, **kw: calls.append(_n) or _r(*a, **kw))
+    q, k, v, g, beta, S = inputs(1, 5, 1, 2, 16, 16, 2)
+    for par, want in ((topology.chain(5), "serial"), (torch.tensor([[-1, 0, 0, 1, 2]]), "hybrid"),
+                      (torch.tensor([[-1]]), "serial")):
+        n = par.shape[1]
+        args = (q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n])
+        ro, ru = naive.gdn_tree_verify(*args, S.clone(), par, 0.25)
+        with ops.backend("triton"):
+            o, u = ops.gdn_tree_verify(*args, S.clone(), par, 0.25)
+        assert calls[-1] == want
+        close(o, ro, want)
+        close(u, ru, want)
+    # float64 states stay on the torch reference
+    calls.clear()
+    with ops.backend("triton"):
+        ops.gdn_tree_verify(q.double(), k.double(), v.double(), g.double(), beta.double(), S.double(),
+                            torch.tensor([[-1, 0, 0, 1, 2]]), 0.25)
+    assert calls == []
+
+
+def test_gdn_sequence_short_on_serial_kernel(poison):
+    q, k, v, g, beta, S = inputs(2, 9, 1, 2, 16, 16, 4)
+    S_ref, S_out = S.clone(), S.clone()
+    ro = naive.gdn_recurrent(q, k, v, g, beta, S_ref, 0.25)
+    with ops.backend("triton"):
+        o = ops.gdn_sequence(q, k, v, g, beta, S_out, 0.25)
+    close(o, ro, "o")
+    close(S_out, S_ref, "state")
+
+
+def test_gdn_sequence_long_on_fla_chunk(fla_chunk_cpu):
+    """fla's chunk kernel (prefill) rounds differently from the recurrence: looser bound."""
+    T = ops.CHUNK_MIN_TOKENS + 6
+    q, k, v, g, beta, S = inputs(1, T, 1, 2, 16, 16, 6)
+    S_ref, S_out = S.clone(), S.clone()
+    ro = naive.gdn_recurrent(q, k, v, g, beta, S_ref, 0.25)
+    with ops.backend("triton"):
+        o = ops.gdn_sequence(q, k, v, g, beta, S_out, 0.25)
+    assert o.dtype == torch.float32
+    assert (o - ro).abs().max() < 1e-4 and (S_out - S_ref).abs().max() < 1e-4
+
+
+def test_model_rounds_on_triton_match_torch():
+    """A tiny model: verify (tree, then chain) with delayed commits, Triton vs torch dispatch."""
+    from specla.shapes import random_model
+
+    model = random_model("tiny", dtype=torch.float32, seed=3)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.cfg.vocab_size, (1, 5), generator=g)
+    rounds = [(torch.tensor([[-1, 0, 0, 1, 2, 2]]), torch.tensor([[0, 1, 3]]), torch.tensor([3])),
+              (topology.chain(4), torch.tensor([[0, 1, 2, 3]]), torch.tensor([2]))]
+    results = {}
+    for backend in ("torch", "triton"):
+        with ops.backend(backend):
+            cache = model.new_cache(1)
+            model.forward(prompt, cache)
+            logits = []
+            for par, path, length in rounds:
+                toks = torch.randint(0, model.cfg.vocab_size, par.shape, generator=torch.Generator().manual_seed(1))
+                out = model.verify(toks, par, cache)
+                logits.append(out.logits)
+                cache.commit(out.records, path, length, delayed=True)
+            cache.flush()
+            results[backend] = (torch.cat(logits, 1), [s.S for s in cache.layers], [s.conv for s in cache.layers])
+    close(results["triton"][0], results["torch"][0], "logits")
+    for a, b in zip(results["triton"][1], results["torch"][1]):
+        close(a, b, "state")
+    for a, b in zip(results["triton"][2], results["torch"][2]):
+        close(a, b, "conv state")
