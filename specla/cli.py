@@ -61,6 +61,18 @@ def generate(
                 f"over {out.rounds} rounds ({out.stop_reason})", err=True, dim=True)
 
 
+@bench_app.command("kernels")
+def bench_kernels(
+    out: Path = typer.Option(Path("benchmarks/results")),
+    device: str = typer.Option("cuda"),
+    quick: bool = typer.Option(False, help="Tiny shapes, few repetitions (smoke test; CPU runs the interpreter)."),
+):
+    """SpecLA's kernel microbenchmarks (Table 1, Fig 11a/b, serial chain vs fla) in CUDA graph replay."""
+    from specla.bench.kernels import run
+
+    run(out_dir=str(out), device=device, quick=quick)
+
+
 @bench_app.command("decode")
 def bench_decode(
     shapes: str = typer.Option("gdn-1.3b-paper,gdn-1.3b-paper-hybrid", help="Comma-separated named shapes."),
