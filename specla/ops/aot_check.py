@@ -30,7 +30,7 @@ def variants(H=8, HV=8, K=256, V=256):
     from specla.ops.conv import triton as conv
     from specla.ops.gdn import commit, parallel, serial
 
-    for BV, warps in ((8, 1), (8, 2), (8, 4), (16, 2), (16, 4), (16, 8), (32, 8)):
+    for BV, warps in ((8, 1), (8, 2), (8, 4), (16, 4), (16, 8), (32, 8)):
         for tree, hybrid, pending, final in ((False, False, False, False), (False, False, False, True),
                                              (True, False, True, False), (True, True, True, False),
                                              (True, True, False, False)):

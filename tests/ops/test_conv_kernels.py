@@ -3,7 +3,7 @@
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kernel_cases import KINDS, close, parents_of
+from .kernel_cases import KINDS, close, parents_of
 
 from specla import ops
 from specla.ops.conv import naive

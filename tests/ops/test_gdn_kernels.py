@@ -5,7 +5,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernel_cases import KINDS, close, inputs, parents_of
+from .kernel_cases import KINDS, close, inputs, parents_of
 from specla import ops, topology
 from specla.bench.trees import beam_tree
 from specla.ops.gdn import commit, hybrid, naive, parallel, schedule, serial

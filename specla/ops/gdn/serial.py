@@ -89,15 +89,7 @@ def tree_verify_kernel(
     tile = o_k[:, None] * V + o_v[None, :]
     p_S = state + (b * HV + hv).to(tl.int64) * K * V + tile
 
-    S = tl.zeros([BK, BV], dtype=tl.float32)
-    if node == 0:  # this program starts at the root: it owns the durable tile
-        S = tl.load(p_S, mask=m_S, other=0.0)
-        if HAS_PENDING:
-            S = advance_tile(S, b, hv, i_h, pk, pg, pu, plen, plen, P, P, o_k, mk, o_v, mv,
-                             H, HV, K, V, PP, False, USE_DOT)
-            if tl.load(plen + b) > 0:  # an empty pending buffer leaves the state as it is
-                tl.store(p_S, S, mask=m_S)
-
+    # the first node's inputs are requested before the state tile, so both loads overlap
     p_q = q + b.to(tl.int64) * s_qb + i_h * K + o_k
     p_k = k + b.to(tl.int64) * s_kb + i_h * K + o_k
     p_v = v + b.to(tl.int64) * s_vb + hv * V + o_v
@@ -108,6 +100,15 @@ def tree_verify_kernel(
     b_v = tl.load(p_v + node * s_vn, mask=mv & ok, other=0.0).to(tl.float32)
     b_g = tl.load(g + p_gb + node * HV, mask=ok, other=0.0).to(tl.float32)
     b_b = tl.load(beta + p_gb + node * HV, mask=ok, other=0.0).to(tl.float32)
+
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    if node == 0:  # this program starts at the root: it owns the durable tile
+        S = tl.load(p_S, mask=m_S, other=0.0)
+        if HAS_PENDING:
+            S = advance_tile(S, b, hv, i_h, pk, pg, pu, plen, plen, P, P, o_k, mk, o_v, mv,
+                             H, HV, K, V, PP, False, USE_DOT)
+            if tl.load(plen + b) > 0:  # an empty pending buffer leaves the state as it is
+                tl.store(p_S, S, mask=m_S)
     prev = node * 0 - 1
     for t in range(0, L):
         cur, c_q, c_k, c_v, c_g, c_b = node, b_q, b_k, b_v, b_g, b_b

@@ -1,0 +1,1 @@
+"""Kernel tests (a package, so its conftest does not shadow tests/conftest.py)."""
