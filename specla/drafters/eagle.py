@@ -1,0 +1,402 @@
+"""Target-aligned EAGLE-style drafter (SpecLA §6.2; EAGLE-3 feature fusion and training-time test).
+
+One decoder layer over the target's own features; the target's embedding and LM head are
+used by reference (frozen, never stored with the drafter):
+
+    F_t = fuse([norm₁(f¹_t); norm₂(f²_t); norm₃(f³_t)])      f^i_t: residual stream of token t after
+                                                              a low, a middle and the last target layer
+    x_t = fc([norm_e(emb(token_{t+1})); norm_f(F_t)])         entry t pairs feature t with the next token
+    x_t = x_t + attn(attn_norm(x_t))                          causal softmax attention, rotary at t
+    h_t = x_t + mlp(mlp_norm(x_t))                            SwiGLU
+    logits_t = lm_head(norm(h_t))                             predicts token t+2
+
+This is EAGLE-3's input form (the low/mid/high features fused to one hidden-size vector, then
+concatenated with the token embedding) with an MTP-style fc in front of a standard layer.
+Drafting past the last token whose target feature is known feeds the drafter its own h in
+place of F: the entry after h_t is (emb(d), h_t) at position t + 1. The training-time test
+(`unroll`) trains exactly that: step k of anchor t is the entry at position t + k that reads
+the true token t + k + 1 and step k−1's h, and attends to the real entries s ≤ t plus its own
+earlier steps — the keys the drafter sees when it drafts k tokens past anchor t.
+
+`EagleDrafter` keeps a KV cache over the accepted history (entries t for every consumed token
+whose successor is known; the last consumed token's feature waits in `pending` until the root
+is known), and proposes by a beam top-k rollout (`specla.drafters.tree`): one forward per
+depth over all beams, each attending along its own path. top-k 1 is a chain. Proposals are
+deterministic top-k tokens (point masses): greedy and sampled acceptance are both exact with
+them (`acceptance.sample`, probs None).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from specla import topology
+from specla.attention import apply_rotary, rotary_inv_freq
+from specla.config import ModelConfig
+from specla.drafters import tree
+from specla.drafters.base import Draft, DraftContext, Drafter, pad_drafts
+from specla.errors import CheckpointError, InputError
+from specla.model import GatedMLP, Model, RMSNorm
+
+MODEL_TYPE = "specla_eagle"
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+DRAFTER_DIR = "drafter"  # a target checkpoint's drafter lives in <target>/drafter/
+
+
+def default_feature_layers(num_layers: int) -> list[int]:
+    """Low, middle and high target layers (EAGLE-3): after layers L//4, L//2 and L-1."""
+    return sorted({num_layers // 4, num_layers // 2, num_layers - 1})
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation precision for softmaxes: fp32, fp64 for fp64 models."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@dataclass
+class EagleConfig:
+    hidden_size: int  # the target's hidden size (its embedding and LM head are shared)
+    vocab_size: int
+    feature_layers: list[int]  # target layers whose residual stream is fused
+    num_heads: int
+    head_dim: int
+    intermediate_size: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+
+    @classmethod
+    def for_target(cls, target: ModelConfig, **over) -> "EagleConfig":
+        """Heads of 64 dims, MLP 3x the hidden size: 1.2 M parameters (2.4 MB bf16) at the demo shape."""
+        D = target.hidden_size
+        heads = max(1, D // 64)
+        kw = dict(hidden_size=D, vocab_size=target.vocab_size,
+                  feature_layers=default_feature_layers(target.num_hidden_layers),
+                  num_heads=heads, head_dim=D // heads, intermediate_size=3 * D, norm_eps=target.norm_eps)
+        kw.update(over)
+        return cls(**kw)
+
+    def check(self, target: ModelConfig) -> None:
+        if self.hidden_size != target.hidden_size or self.vocab_size != target.vocab_size:
+            raise CheckpointError(
+                f"the drafter was trained for hidden size {self.hidden_size} and vocabulary {self.vocab_size}; "
+                f"the target has {target.hidden_size} and {target.vocab_size}")
+        bad = [i for i in self.feature_layers if not 0 <= i < target.num_hidden_layers]
+        if bad:
+            raise CheckpointError(f"the drafter reads target layer {bad[0]}, but the target has "
+                                  f"{target.num_hidden_layers} layers")
+
+
+def _ttt_attention(q, k0, v0, ks, vs, scale):
+    """Step k >= 1 of the unroll, [B, H, T, hd] each: anchor t attends to the real entries s <= t
+    (step 0's keys, causal) and to its own entries of steps 1..k (one key per step: a diagonal)."""
+    T, acc = q.shape[2], _acc(q.dtype)
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    s0 = (q @ k0.transpose(-1, -2)).to(acc).masked_fill(~causal, float("-inf"))
+    sd = torch.stack([(q.to(acc) * kj.to(acc)).sum(-1) for kj in ks], -1)
+    p = torch.softmax(torch.cat([s0, sd], -1) * scale, -1).to(v0.dtype)
+    return p[..., :T] @ v0 + (p[..., T:, None] * torch.stack(vs, -2)).sum(-2)
+
+
+class EagleDrafterModel(nn.Module):
+    """The drafter's own weights (no embedding, no LM head)."""
+
+    def __init__(self, cfg: EagleConfig):
+        super().__init__()
+        D, eps = cfg.hidden_size, cfg.norm_eps
+        self.cfg = cfg
+        self.feature_norms = nn.ModuleList(RMSNorm(D, eps) for _ in cfg.feature_layers)
+        self.fuse = nn.Linear(len(cfg.feature_layers) * D, D, bias=False)
+        self.norm_emb = RMSNorm(D, eps)
+        self.norm_feat = RMSNorm(D, eps)
+        self.fc = nn.Linear(2 * D, D, bias=False)
+        self.attn_norm = RMSNorm(D, eps)
+        self.qkv_proj = nn.Linear(D, 3 * cfg.num_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, D, bias=False)
+        self.mlp_norm = RMSNorm(D, eps)
+        self.mlp = GatedMLP(D, cfg.intermediate_size)
+        self.norm = RMSNorm(D, eps)
+        self.scale = cfg.head_dim ** -0.5
+        self._inv_freq: dict = {}
+
+    # pieces shared by drafting and training ----------------------------------------------------
+    def features(self, hidden: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The fused target feature F [B, n, D] from the captured layers' residual streams."""
+        return self.fuse(torch.cat([norm(h) for norm, h in zip(self.feature_norms, hidden)], -1))
+
+    def inputs(self, emb: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
+        """Entry input from the next token's embedding and a feature (F, or the drafter's own h)."""
+        return self.fc(torch.cat([self.norm_emb(emb), self.norm_feat(feat)], -1))
+
+    def qkv(self, x: torch.Tensor, pos: torch.Tensor):
+        """x [B, n, D] at positions pos [B, n] -> q, k (rotated), v, each [B, n, H, hd]."""
+        B, n, _ = x.shape
+        q, k, v = self.qkv_proj(self.attn_norm(x)).reshape(B, n, 3, self.cfg.num_heads, self.cfg.head_dim).unbind(2)
+        key = (x.device, x.dtype)
+        if key not in self._inv_freq:
+            self._inv_freq[key] = rotary_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, x.dtype).to(x.device)
+        f = self._inv_freq[key]
+        return apply_rotary(q, pos, f), apply_rotary(k, pos, f), v
+
+    def attend(self, q, keys, values, mask) -> torch.Tensor:
+        """q [B, n, H, hd] against keys, values [B, H, L, hd] under mask [B, n, L] -> [B, n, H * hd]."""
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
+                                           attn_mask=mask[:, None], scale=self.scale)
+        return o.transpose(1, 2).flatten(2)
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The rest of the layer after attention: h [B, n, D] (the next step's feature)."""
+        x = x + self.o_proj(attn)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def logits(self, h: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(h), lm_head_weight)
+
+    # training ---------------------------------------------------------------------------------
+    def unroll(self, feats: torch.Tensor, emb: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Training-time test over whole sequences: h of every step, [B, T, D] each.
+
+        feats [B, T, D] are the fused target features, emb [B, T, D] the embeddings of the
+        sequence's tokens. Step k at anchor t reads token t + k + 1 (zeros past the end) and
+        feature F_t (k = 0) or step k−1's h at t, sits at position t + k, and predicts token
+        t + k + 2.
+        """
+        B, T, _ = emb.shape
+        pos = torch.arange(T, device=emb.device).expand(B, T)
+        feat, keys, values, out = feats, [], [], []
+        for k in range(steps):
+            x = self.inputs(F.pad(emb[:, k + 1:], (0, 0, 0, k + 1)), feat)
+            q, kk, v = (t.transpose(1, 2) for t in self.qkv(x, pos + k))
+            if k == 0:
+                o = F.scaled_dot_product_attention(q, kk, v, is_causal=True, scale=self.scale)
+            else:
+                o = _ttt_attention(q, keys[0], values[0], keys[1:] + [kk], values[1:] + [v], self.scale)
+            keys.append(kk)
+            values.append(v)
+            feat = self.finish(x, o.transpose(1, 2).flatten(2))
+            out.append(feat)
+        return out
+
+
+# checkpoints ----------------------------------------------------------------------------------
+
+def save_drafter(model: EagleDrafterModel, out_dir, dtype: torch.dtype | None = None) -> Path:
+    """config.json + model.safetensors (the drafter's own weights only)."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CONFIG).write_text(json.dumps({"model_type": MODEL_TYPE, **dataclasses.asdict(model.cfg)}, indent=2) + "\n")
+    sd = {k: (v.to(dtype) if dtype else v).detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    save_file(sd, str(out / WEIGHTS), metadata={"format": "pt"})
+    return out
+
+
+def load_drafter(path, target: Model | None = None, device="cpu", dtype=torch.float32) -> EagleDrafterModel:
+    """Load a drafter directory; with `target`, check it fits and match its device and dtype."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    try:
+        d = json.loads((path / CONFIG).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read the drafter config in {path}: {e}") from None
+    if d.pop("model_type", None) != MODEL_TYPE:
+        raise CheckpointError(f"{path} is not a specla EAGLE drafter (model_type {MODEL_TYPE!r} expected)")
+    try:
+        cfg = EagleConfig(**d)
+    except TypeError as e:
+        raise CheckpointError(f"{path / CONFIG}: {e}") from None
+    if target is not None:
+        cfg.check(target.cfg)
+        device, dtype = target.device, target.dtype
+    try:
+        sd = load_file(str(path / WEIGHTS))
+    except OSError as e:
+        raise CheckpointError(f"cannot read drafter weights in {path}: {e}") from None
+    with torch.device("meta"):
+        model = EagleDrafterModel(cfg)
+    expected = model.state_dict()
+    if set(sd) != set(expected):
+        diff = sorted(set(sd) ^ set(expected))
+        raise CheckpointError(f"{path / WEIGHTS} does not match its config (e.g. {diff[0]})")
+    for name, t in expected.items():
+        if tuple(sd[name].shape) != tuple(t.shape):
+            raise CheckpointError(f"drafter weight {name} has shape {tuple(sd[name].shape)}, expected {tuple(t.shape)}")
+    model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, assign=True)
+    return model.to(device).eval()
+
+
+# the drafter ----------------------------------------------------------------------------------
+
+class EagleDrafter(Drafter):
+    """Chains (topk 1) or pruned beam trees from an `EagleDrafterModel` over the target's features.
+
+    depth: drafter forwards per round (the deepest draft token); budget: draft nodes submitted
+    (default: everything the rollout proposes); tau: the pruning window on cumulative
+    log-probability (None: none). graphs (CUDA): replay the rollout from a CUDA graph,
+    captured at the first round of a generation and again whenever the KV cache grows; it
+    runs every depth (no early stop, which would need a host read), the window still applies.
+    """
+
+    name = "eagle"
+
+    def __init__(self, model: EagleDrafterModel, target: Model, topk: int = 1, depth: int = 8,
+                 budget: int | None = None, tau: float | None = None, graphs: bool = False,
+                 initial_capacity: int = 256):
+        if topk < 1 or depth < 1 or (budget is not None and budget < 1):
+            raise InputError("drafter top-k, depth and budget must be positive")
+        if tau is not None and tau < 0:
+            raise InputError(f"the pruning window tau must be >= 0, got {tau}")
+        if graphs and target.device.type != "cuda":
+            raise InputError("drafter CUDA graphs need a target on a CUDA device")
+        model.cfg.check(target.cfg)
+        self.model, self.target = model, target
+        self.topk, self.depth, self.tau, self.graphs = topk, depth, tau, graphs
+        pool = topk + (depth - 1) * topk * topk
+        self.budget = pool if budget is None else min(budget, pool)
+        self.max_nodes = self.budget + 1
+        self.entries = 1 + (depth - 1) * topk  # drafter queries per rollout: the root, then k per depth
+        self.capture = tuple(model.cfg.feature_layers)
+        self.initial_capacity = initial_capacity
+        self.reset(1)
+
+    @classmethod
+    def load(cls, path, target: Model, **options) -> "EagleDrafter":
+        return cls(load_drafter(path, target), target, **options)
+
+    # cache ------------------------------------------------------------------------------------
+    def reset(self, batch: int) -> None:
+        cfg, dev, dt = self.model.cfg, self.target.device, self.target.dtype
+        self.k = torch.zeros(batch, cfg.num_heads, self.initial_capacity, cfg.head_dim, device=dev, dtype=dt)
+        self.v = torch.zeros_like(self.k)
+        # updated in place, so a captured rollout reads the current values
+        self.len = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.pending = torch.zeros(batch, cfg.hidden_size, device=dev, dtype=dt)  # feature whose next token is unknown
+        self.started = False  # host flag: `pending` holds a feature
+        self._bound = 0  # host-side upper bound of max(self.len): growing needs no sync per round
+        self._graph = None
+
+    def _reserve(self, extra: int) -> None:
+        cap = self.k.shape[2]
+        if self._bound + extra <= cap:
+            return
+        self._bound = int(self.len.max())
+        if self._bound + extra <= cap:
+            return
+        B, H, _, hd = self.k.shape
+        new = max(2 * cap, self._bound + extra)
+        k, v = self.k.new_zeros(B, H, new, hd), self.v.new_zeros(B, H, new, hd)
+        k[:, :, :cap], v[:, :, :cap] = self.k, self.v
+        self.k, self.v = k, v
+        self._graph = None  # a captured rollout holds the old buffers
+
+    def _store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        B, n, H, hd = k.shape
+        idx = slots[:, None, :, None].expand(B, H, n, hd)
+        self.k.scatter_(2, idx, k.transpose(1, 2).to(self.k.dtype))
+        self.v.scatter_(2, idx, v.transpose(1, 2).to(self.v.dtype))
+
+    # Drafter API ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def extend(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], length: torch.Tensor) -> None:
+        m = self.model
+        feats = m.features([hidden[i] for i in self.capture])  # [B, n, D]
+        if not self.started:  # the first consumed token has no feature before it
+            tok, feat, count = tokens[:, 1:], feats[:, :-1], (length - 1).clamp(min=0)
+        else:
+            tok, feat, count = tokens, torch.cat([self.pending[:, None], feats[:, :-1]], 1), length
+        n = tok.shape[1]
+        if n > 0:
+            # only K/V: nothing else of a history entry is ever read. Entries past count[b]
+            # land past the new length, where later writes replace them.
+            self._reserve(n)
+            slots = self.len[:, None] + torch.arange(n, device=tok.device)
+            _, k, v = m.qkv(m.inputs(self.target.embeddings(tok), feat), slots)
+            self._store(slots, k, v)
+        self.len.add_(count)
+        self._bound += n
+        last = feats[torch.arange(feats.shape[0], device=feats.device), (length - 1).clamp(min=0)]
+        self.pending.copy_(torch.where((length > 0)[:, None], last, self.pending) if self.started else last)
+        self.started = True
+
+    @torch.no_grad()
+    def propose(self, ctx: DraftContext) -> Draft:
+        dev = self.target.device
+        roots = [h[-1] for h in ctx.history]
+        root = torch.tensor(roots, device=dev)
+        if not self.started:  # a one-token prompt: no feature to draft from yet
+            return Draft(root[:, None], topology.chain(1, len(roots), device=dev))
+        self._reserve(self.entries)
+        pool = self._replay(root) if self.graphs else self.rollout(root, self.tau)
+        tok, par, score = (t.tolist() for t in pool)
+        rows = [tree.build(r, tok[b], par[b], score[b], self.budget, self.tau) for b, r in enumerate(roots)]
+        return pad_drafts(rows, device=dev)
+
+    @torch.no_grad()
+    def rollout(self, root: torch.Tensor, tau: float | None = None):
+        """`tree.beam_search` from root [B] with this drafter: the pool's tokens, parents, scores.
+
+        Entries (the drafter's queries for expanded nodes: the root at depth 0, then k beams
+        per depth) go to the cache slots right after the committed length, where the next
+        `extend` overwrites them; the mask lets each see the committed entries and its own
+        path. The cache must have room for them (`_reserve`).
+        """
+        m, tgt, k, E = self.model, self.target, self.topk, self.entries
+        B, dev = root.shape[0], root.device
+        rel = torch.arange(self.k.shape[2], device=dev)[None] - self.len[:, None]  # slot - first draft slot
+        committed = rel < 0
+        in_draft = (rel >= 0) & (rel < E)
+        entry_of_slot = rel.clamp(0, E - 1)
+        anc = torch.zeros(B, E, E, dtype=torch.bool, device=dev)
+        h = self.pending[:, None]  # the feature each beam's parent hands on (the root's: the target's)
+
+        def step(d, tokens, src):
+            nonlocal h
+            n = tokens.shape[1]
+            start = 0 if d == 0 else 1 + (d - 1) * k
+            # each beam's parent entry; at d = 0 the root's own, still empty row: it sees itself only
+            parent = src if d <= 1 else src + 1 + (d - 2) * k
+            rows = tree.entry_ancestors(anc, parent, start)
+            anc[:, start:start + n] = rows
+            x = m.inputs(tgt.embeddings(tokens), h.gather(1, src[..., None].expand(-1, -1, h.shape[-1])))
+            q, kk, v = m.qkv(x, (self.len + d)[:, None].expand(B, n))
+            self._store(self.len[:, None] + start + torch.arange(n, device=dev), kk, v)
+            sees = rows.gather(2, entry_of_slot[:, None, :].expand(B, n, -1))
+            h = m.finish(x, m.attend(q, self.k, self.v, committed[:, None] | (in_draft[:, None] & sees)))
+            return torch.log_softmax(tgt.lm_head(m.norm(h)).to(_acc(tgt.dtype)), -1)
+
+        return tree.beam_search(step, root, k, self.depth, tau)
+
+    def _replay(self, root: torch.Tensor):
+        """The rollout from a CUDA graph over static buffers (root, len, pending, cache)."""
+        if self._graph is None:
+            self._root = root.clone()
+            # warm up on a side stream (fills caches such as the rotary table), then capture;
+            # the rollout only writes cache slots past the committed length
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.rollout(self._root)
+            torch.cuda.current_stream().wait_stream(side)
+            self._graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self._graph):
+                self._pool = self.rollout(self._root)
+        self._root.copy_(root)
+        self._graph.replay()
+        return self._pool
+
+
+def find_drafter(model_dir) -> Path | None:
+    """The drafter directory shipped with a target checkpoint, if any."""
+    path = Path(model_dir) / DRAFTER_DIR
+    return path if (path / CONFIG).is_file() and (path / WEIGHTS).is_file() else None

@@ -1,0 +1,145 @@
+"""Draft trees: beam top-k rollout, confidence pruning, packing (SpecLA §6.1, Fig. 8).
+
+A rollout proposes nodes depth by depth. Depth 1: the root's top-k tokens, which are also
+the first beams. Each later depth: every beam proposes its top-k children, all k·k of them
+join the *pool*, and the k best by cumulative log-probability become the next beams. Every
+pool node v carries
+
+    q(v) = Σ_{i ≤ depth(v)} log p_draft(t_i | prefix, t_<i)
+
+which never increases along a path. Selection keeps the nodes with q(v) ≥ q* − τ, where
+q* = max_v q(v) over the whole pool (the paper's global window; it is the best depth-1
+score), ranks them by q (shallower first, then pool order, among equal scores) and takes
+them in that order while they fit the node budget T, each with its missing ancestors. With
+monotone scores the ranked window is already ancestor-closed, so the budget simply cuts it;
+the join only matters for scores that are not monotone. Packing numbers the kept nodes depth
+by depth, best score first within a depth: a topological order in which every node's
+children come best first, so node 1 is the drafter's best first token.
+
+The pool is a flat list in the order the rollout proposes it (`parents[i] < i`, -1 = the
+root), so selection and packing are plain functions over scores, testable without a model.
+`beam_search` runs the rollout on device tensors around a scoring callback (the drafter's
+forward), `expand` is its per-depth step, and `entry_ancestors` the drafter-side tree mask
+that lets one forward score all beams of a depth.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def expand(beam_scores: torch.Tensor, logp: torch.Tensor, topk: int):
+    """One depth of the rollout.
+
+    beam_scores [B, nb] are the beams' q; logp [B, nb, V] the drafter's next-token
+    log-probabilities at each beam. Returns the children, child j of beam i at i·topk + j:
+    tokens [B, nb·topk] (each beam's top-k, best first, lower id first among equal
+    scores), their scores [B, nb·topk], and beams [B, topk]: the flat indices of the
+    topk best children (best first, earlier first among equal scores), the next beams.
+    """
+    lp, tok = logp.topk(topk, dim=-1)
+    # topk does not promise an order among equal values: lower token id first, as AR's argmax
+    order = tok.sort(dim=-1, stable=True).indices
+    lp, tok = lp.gather(-1, order), tok.gather(-1, order)
+    order = lp.sort(dim=-1, descending=True, stable=True).indices
+    lp, tok = lp.gather(-1, order), tok.gather(-1, order)
+    scores = (beam_scores[..., None] + lp).flatten(1)
+    beams = scores.sort(dim=-1, descending=True, stable=True).indices[:, :topk]
+    return tok.flatten(1), scores, beams
+
+
+def beam_search(step, root: torch.Tensor, topk: int, depth: int, tau: float | None = None):
+    """The rollout: the pool's tokens, parents (-1 = the root) and scores, [B, P] each.
+
+    step(d, tokens, src) -> logp [B, n, V] scores the n beams of depth d (d = 0: the root
+    alone, tokens = root[:, None]); src[b, i] is the beam of depth d - 1 that beam i extends
+    (0 at d = 1; zeros at d = 0). With tau, the rollout stops once every beam is outside the
+    window: scores never increase along a path, so nothing deeper could enter it (one host
+    read per depth). Without tau there is no host synchronisation: it can be graph-captured.
+    """
+    B, dev = root.shape[0], root.device
+    beam_tok, src = root[:, None], torch.zeros(B, 1, dtype=torch.long, device=dev)
+    beam_pool = torch.full((B, 1), -1, dtype=torch.long, device=dev)  # the root is no pool node
+    beam_score, best, size, pool = None, None, 0, []
+    for d in range(depth):
+        if best is not None and tau is not None and bool((beam_score.amax(1) < best - tau).all()):
+            break
+        logp = step(d, beam_tok, src)
+        if beam_score is None:
+            beam_score = logp.new_zeros(B, 1)
+        tok, score, nxt = expand(beam_score, logp, topk)
+        pool.append((tok, beam_pool[:, :, None].expand(-1, -1, topk).flatten(1), score))
+        if best is None:
+            best = score[:, 0]  # q*: the best first token; no deeper score exceeds it
+        src = nxt // topk
+        beam_pool = size + nxt
+        size += tok.shape[1]
+        beam_tok, beam_score = tok.gather(1, nxt), score.gather(1, nxt)
+    return tuple(torch.cat(parts, 1) for parts in zip(*pool))
+
+
+def entry_ancestors(anc: torch.Tensor, parent: torch.Tensor, start: int) -> torch.Tensor:
+    """Ancestor-or-self rows of m new drafter entries start .. start+m-1.
+
+    anc [B, E, E] holds the rows of the entries so far (an entry is the drafter's query for
+    one expanded node; E counts every slot of the rollout); parent [B, m] is the entry of each
+    new entry's parent. A new entry sees its parent's ancestors and itself, so one forward
+    over all beams of a depth attends exactly along each beam's own path.
+    """
+    B, m = parent.shape
+    rows = anc.gather(1, parent[:, :, None].expand(B, m, anc.shape[2])).clone()
+    rows[:, :, start:start + m] |= torch.eye(m, dtype=torch.bool, device=anc.device)
+    return rows
+
+
+def depths(parents: list[int]) -> list[int]:
+    """Depth of every pool node (the root's children have depth 1)."""
+    d: list[int] = []
+    for p in parents:
+        d.append(1 if p < 0 else d[p] + 1)
+    return d
+
+
+def select(scores: list[float], parents: list[int], budget: int, tau: float | None = None) -> list[int]:
+    """Pool nodes to submit: within tau of the best score, at most `budget`, ancestor-closed.
+
+    Returned in increasing pool order. tau None: no window (only the budget cuts).
+    """
+    if not scores or budget <= 0:
+        return []
+    depth = depths(parents)
+    best = max(scores)
+    window = [i for i, s in enumerate(scores) if tau is None or s >= best - tau]
+    kept: set[int] = set()
+    for i in sorted(window, key=lambda i: (-scores[i], depth[i], i)):
+        need = []
+        j = i
+        while j >= 0 and j not in kept:
+            need.append(j)
+            j = parents[j]
+        if len(kept) + len(need) <= budget:
+            kept.update(need)
+            if len(kept) == budget:
+                break
+    return sorted(kept)
+
+
+def pack(root: int, tokens: list[int], parents: list[int], scores: list[float],
+         kept: list[int]) -> tuple[list[int], list[int]]:
+    """The verifier's topology (tokens, parents), root first, from an ancestor-closed `kept`:
+    depth by depth, best score first within a depth (pool order among equal scores)."""
+    depth = depths(parents)
+    order = sorted(kept, key=lambda i: (depth[i], -scores[i], i))
+    index = {-1: 0}
+    out_tok, out_par = [root], [-1]
+    for j, i in enumerate(order, start=1):
+        index[i] = j
+        out_tok.append(tokens[i])
+        out_par.append(index[parents[i]])
+    return out_tok, out_par
+
+
+def build(root: int, tokens: list[int], parents: list[int], scores: list[float], budget: int,
+          tau: float | None = None) -> tuple[list[int], list[int]]:
+    """Select and pack: the pruned draft tree of one row."""
+    return pack(root, tokens, parents, scores, select(scores, parents, budget, tau))

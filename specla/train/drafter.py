@@ -1,0 +1,495 @@
+"""The EAGLE drafter's data and training (`specla data responses`, `specla train drafter`).
+
+Data. The drafter imitates the target, so it learns from the target's own greedy responses
+to real prompts: the opening turns of ShareGPT conversations from the corpus and GSM8K
+training questions, rendered with the target's chat template and generated with specla's
+decode path (`Decoder`, AR route, batched). The dataset file (.npz) holds token ids only —
+prompt + response per sequence, and where the response starts. Target features are
+recomputed on the fly during training by running the frozen target over each batch (one
+forward, the same `Model.forward` that prefill uses): storing three feature layers would
+cost 1.5 KB per token at the demo shape, gigabytes for a dataset that is a few MB as ids.
+
+Training. The drafter's unroll (`EagleDrafterModel.unroll`, EAGLE-3's training-time test)
+runs `unroll` steps; step k at anchor t predicts token t + k + 2 and is scored against the
+target's own distribution there (soft labels: cross-entropy to the target's softmax, so the
+drafter's scores — the tree's pruning signal — track the target's probabilities). Only
+positions that predict response tokens count. Step k's loss is weighted step_decay**k.
+Validation reports per-step top-1 agreement with the target's greedy token and the accepted
+length a chain of `unroll` drafts would reach on held-out sequences (1 + the leading run of
+agreements, EAGLE's τ).
+
+Resumable like the target trainer: a run trains for at most `max_minutes`, then writes
+`ckpt.pt` and `export/` (drafter safetensors + config + training_state.json); the same
+command continues. Several GPUs: the same command under torchrun (DDP, one process a GPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from specla.drafters.eagle import EagleConfig, EagleDrafterModel, load_drafter, save_drafter
+from specla.model import Model
+from specla.train.target import CALIBRATION_STEPS, lr_at
+
+WARM_STEPS = 5  # steps before calibration starts timing (kernel compilation, autotuning)
+
+# --------------------------------------------------------------------------- prompts
+
+_CHUNK = re.compile(r"(?:_(\d+))?$")
+_TURN = re.compile(r"<\|(system|user|assistant)\|>\n(.*?)(?=<\|(?:system|user|assistant|eos)\|>|\Z)", re.S)
+
+
+def opening_turns(text: str) -> list[dict]:
+    """The turns of a rendered corpus conversation before its first assistant reply."""
+    turns = []
+    for role, content in _TURN.findall(text):
+        if role == "assistant":
+            break
+        turns.append({"role": role, "content": content[:-1] if content.endswith("\n") else content})
+    return turns if any(t["role"] == "user" for t in turns) else []
+
+
+def training_prompts(corpus_dir, n_prompts: int, gsm8k_share: float = 0.3, seed: int = 0) -> list[tuple[str, list[dict]]]:
+    """(source, turns) for n_prompts prompts: the opening turns of ShareGPT conversations from
+    the corpus training split and GSM8K training questions, a seeded sample of each, shuffled
+    together. Only a conversation's first chunk (id suffix _0) counts: later chunks open
+    mid-conversation, often with a bare "continue"."""
+    from specla.data.corpus import iter_records
+    from specla.data.suites import load_gsm8k_train
+
+    rng = np.random.default_rng(seed)
+    n_gsm = round(n_prompts * gsm8k_share)
+    gsm = load_gsm8k_train()
+    picked = [("gsm8k", [{"role": "user", "content": gsm[i]["question"]}])
+              for i in rng.permutation(len(gsm))[:n_gsm]]
+    chats = [t for r in iter_records(corpus_dir, "train")
+             if r["source"] == "sharegpt" and _CHUNK.search(r["id"]).group(1) in (None, "0")
+             for t in [opening_turns(r["text"])] if t]
+    picked += [("sharegpt", chats[i]) for i in rng.permutation(len(chats))[:n_prompts - len(picked)]]
+    return [picked[i] for i in rng.permutation(len(picked))]
+
+
+def chat_header(tokenizer) -> int:
+    """Tokens every chat prompt starts with (BOS, the first role marker): kept when cutting."""
+    a = tokenizer.apply_chat_template([{"role": "user", "content": "a"}])
+    b = tokenizer.apply_chat_template([{"role": "user", "content": "b"}])
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def cut(ids: list[int], length: int, header: int) -> list[int]:
+    """ids shortened to `length` by dropping the oldest tokens after the header."""
+    if len(ids) <= length:
+        return ids
+    keep = min(header, length - 1)
+    return ids[:keep] + ids[len(ids) - (length - keep):]
+
+
+# --------------------------------------------------------------------------- responses
+
+def length_batches(lengths: list[int], batch_size: int, max_cut: int) -> list[list[int]]:
+    """Prompt indices grouped for equal-length batches: sorted by length, a batch holds at most
+    batch_size prompts no longer than its shortest + max_cut."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and len(batches[-1]) < batch_size and lengths[i] - lengths[batches[-1][0]] <= max_cut:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def generate_responses(model: Model, prompts: list[list[int]], max_new_tokens: int, eos_token_ids,
+                       batch_size: int = 64, max_cut: int = 8, header: int = 0, max_minutes: float | None = None,
+                       graphs: bool = False, seed: int = 0,
+                       progress: bool = True) -> list[tuple[int, list[int], list[int]]]:
+    """Greedy responses, batched: (prompt index, prompt as generated from, response).
+
+    `Decoder.run` takes equal-length prompts, so each batch (`length_batches`) is cut to its
+    shortest member (`cut`: at most max_cut of the oldest tokens after the header go).
+    Batches run in a seeded random order and no new one starts after max_minutes, so a
+    time-bounded collection is still a fair sample of prompt lengths.
+    """
+    from tqdm import tqdm
+
+    from specla.decode import Decoder
+
+    decoder = Decoder(model, eos_token_ids=eos_token_ids, graphs=graphs)
+    out = []
+    start = time.time()
+    bar = tqdm(total=len(prompts), desc="responses", unit="prompt", disable=not progress)
+    batches = length_batches([len(p) for p in prompts], batch_size, max_cut)
+    for b in np.random.default_rng(seed).permutation(len(batches)):
+        idx = batches[b]
+        if max_minutes is not None and time.time() - start > max_minutes * 60:
+            break
+        rows = [cut(prompts[i], len(prompts[idx[0]]), header) for i in idx]
+        emitted, _, _ = decoder.run(torch.tensor(rows), max_new_tokens)
+        out += [(i, p, r) for i, p, r in zip(idx, rows, emitted)]
+        bar.update(len(idx))
+    bar.close()
+    return out
+
+
+def save_responses(path, prompts: list[list[int]], responses: list[list[int]], sources: list[str], meta: dict) -> Path:
+    """One .npz: flat token ids, sequence offsets, prompt lengths, sources, metadata (JSON)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    seqs = [np.asarray(p + r, dtype=np.int64) for p, r in zip(prompts, responses)]
+    flat = np.concatenate(seqs) if seqs else np.zeros(0, dtype=np.int64)
+    tokens = flat.astype(np.uint16 if flat.size == 0 or flat.max() < 2 ** 16 else np.int32)
+    offsets = np.concatenate([[0], np.cumsum([len(s) for s in seqs])]).astype(np.int64)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.savez_compressed(f, tokens=tokens, offsets=offsets, prompt_len=np.array([len(p) for p in prompts], np.int64),
+                            source=np.array(sources, dtype=str), meta=np.array(json.dumps(meta)))
+    tmp.replace(path)
+    return path
+
+
+class ResponseSet:
+    """A dataset written by `save_responses`."""
+
+    def __init__(self, path):
+        with np.load(path, allow_pickle=False) as z:
+            self.tokens, self.offsets, self.prompt_len = z["tokens"], z["offsets"], z["prompt_len"]
+            self.source = z["source"]
+            self.meta = json.loads(str(z["meta"]))
+
+    def __len__(self) -> int:
+        return len(self.prompt_len)
+
+    def sequence(self, i: int) -> np.ndarray:
+        return self.tokens[self.offsets[i]:self.offsets[i + 1]].astype(np.int64)
+
+    def split(self, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        """Seeded train / validation indices (at least one validation sequence)."""
+        perm = np.random.default_rng([seed, 7]).permutation(len(self))
+        n_val = max(1, round(len(self) * val_fraction))
+        return np.sort(perm[n_val:]), np.sort(perm[:n_val])
+
+
+class ResponseBatches:
+    """Batches of whole sequences, right-padded: (tokens [B, T], valid [B, T]).
+
+    valid[b, j]: position j's target distribution is a label, i.e. it predicts a response
+    token (prompt_len - 1 <= j <= len - 2). Random batches (seed given) depend only on
+    (seed, i, rank), so a resumed run continues the same sequence of batches and every rank
+    draws its own; without a seed, batch i is the i-th run of consecutive sequences (validation).
+    """
+
+    def __init__(self, data: ResponseSet, index: np.ndarray, batch_size: int, seq_len: int,
+                 seed: int | None = None, rank: int = 0):
+        if len(index) == 0:
+            raise ValueError("no sequences to draw batches from")
+        self.data, self.index, self.bs, self.T, self.seed, self.rank = data, index, batch_size, seq_len, seed, rank
+
+    def __len__(self) -> int:
+        """Batches that cover every sequence once."""
+        return -(-len(self.index) // self.bs)
+
+    def get(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.seed is None:
+            picks = self.index[(step * self.bs + np.arange(self.bs)) % len(self.index)]
+        else:
+            rng = np.random.default_rng([self.seed, step, self.rank])
+            picks = self.index[rng.integers(0, len(self.index), size=self.bs)]
+        seqs = [self.data.sequence(i)[:self.T] for i in picks]
+        T = max(len(s) for s in seqs)
+        tokens = np.zeros((self.bs, T), dtype=np.int64)
+        valid = np.zeros((self.bs, T), dtype=bool)
+        for b, (i, s) in enumerate(zip(picks, seqs)):
+            tokens[b, :len(s)] = s
+            valid[b, max(int(self.data.prompt_len[i]) - 1, 0):len(s) - 1] = True
+        return torch.from_numpy(tokens), torch.from_numpy(valid)
+
+
+def collect_responses(target_dir, out_file, n_prompts: int = 8192, max_new_tokens: int = 256,
+                      corpus_dir=".corpus", gsm8k_share: float = 0.3, max_prompt_tokens: int = 384,
+                      batch_size: int = 128, max_cut: int = 16, seed: int = 0, device: str = "auto", dtype: str = "auto",
+                      max_minutes: float | None = None, graphs: bool = False, progress: bool = True) -> dict:
+    """Generate the target's greedy responses to training prompts; write them to out_file (.npz).
+
+    Decoding is launch-bound at these sizes, so a batch of 128 costs about what one row does
+    per step. graphs: CUDA graphs for the AR steps (several times faster on a GPU than eager).
+    """
+    from specla.api import resolve_device, resolve_dtype
+    from specla.checkpoint import load_model
+    from specla.data.tokenizer import load_tokenizer
+
+    t0 = time.time()
+    dev = resolve_device(device)
+    model = load_model(target_dir, device=dev, dtype=resolve_dtype(dtype, dev))
+    tok = load_tokenizer(target_dir)
+    header = chat_header(tok)
+    picked = training_prompts(corpus_dir, n_prompts, gsm8k_share, seed)
+    prompts = [cut(tok.apply_chat_template(turns), max_prompt_tokens, header) for _, turns in picked]
+    eos = tok.eos_token_ids | set(model.cfg.eos_token_id)
+    done = generate_responses(model, prompts, max_new_tokens, eos, batch_size=batch_size, max_cut=max_cut, header=header,
+                              max_minutes=max_minutes, graphs=graphs, seed=seed, progress=progress)
+    meta = {"target": str(target_dir), "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
+            "dtype": str(model.dtype), "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+            "seed": seed, "seconds": round(time.time() - t0, 1)}
+    save_responses(out_file, [p for _, p, _ in done], [r for _, _, r in done], [picked[i][0] for i, _, _ in done], meta)
+    n_resp = sum(len(r) for _, _, r in done)
+    return {"file": str(out_file), "sequences": len(done), "prompts_asked": len(prompts),
+            "response_tokens": n_resp, "prompt_tokens": sum(len(p) for _, p, _ in done),
+            "ended_with_eos": sum(1 for _, _, r in done if r and r[-1] in eos), **meta}
+
+
+# --------------------------------------------------------------------------- training
+
+@torch.no_grad()
+def target_side(target: Model, tokens: torch.Tensor, layers) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """What the frozen target contributes to a batch: the captured hidden states, the token
+    embeddings and its next-token log-probabilities (fp32), from one plain forward."""
+    out = target(tokens, target.new_cache(tokens.shape[0], max_len=tokens.shape[1]), capture=tuple(layers))
+    logp = torch.log_softmax(out.logits.to(torch.promote_types(out.logits.dtype, torch.float32)), -1)
+    return [out.hidden[i] for i in layers], target.embeddings(tokens), logp
+
+
+def _steps(drafter: EagleDrafterModel, hidden, emb, target_logp, valid, lm_head_weight, unroll: int):
+    """Per unroll step k: anchors (b, t) whose label position t + k + 1 is valid, the drafter's
+    log-probabilities there and the target's."""
+    hs = drafter.unroll(drafter.features(hidden), emb, unroll)
+    for k, h in enumerate(hs):
+        b, t = valid[:, k + 1:].nonzero(as_tuple=True)
+        logq = torch.log_softmax(drafter.logits(h[b, t], lm_head_weight).float(), -1)
+        yield k, b, t, logq, target_logp[b, t + k + 1]
+
+
+def _soft_ce(logq: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of the drafter's log-probabilities to the target's distribution."""
+    return -(logp.exp() * logq).sum(-1).sum() / max(len(logq), 1)
+
+
+class _TTTLoss(nn.Module):
+    """DDP wraps `forward`; the frozen target's outputs come in as plain tensors."""
+
+    def __init__(self, drafter: EagleDrafterModel, unroll: int, step_decay: float):
+        super().__init__()
+        self.drafter, self.unroll, self.step_decay = drafter, unroll, step_decay
+
+    def forward(self, hidden, emb, target_logp, valid, lm_head_weight):
+        """(weighted loss over the unroll, top-1 agreement per step)."""
+        total, top1 = 0.0, []
+        for k, _, _, logq, logp in _steps(self.drafter, hidden, emb, target_logp, valid, lm_head_weight, self.unroll):
+            total = total + self.step_decay ** k * _soft_ce(logq, logp)
+            hit = (logq.argmax(-1) == logp.argmax(-1)).float()
+            top1.append(hit.mean() if len(hit) else hit.new_zeros(()))
+        return total / sum(self.step_decay ** k for k in range(self.unroll)), torch.stack(top1).detach()
+
+
+@torch.no_grad()
+def evaluate(drafter: EagleDrafterModel, target: Model, batches: ResponseBatches, n_batches: int, unroll: int,
+             step_decay: float) -> dict:
+    """Held-out loss, per-step top-1 agreement, and the accepted length of an `unroll`-token
+    chain (1 + the leading run of agreements per anchor, averaged over anchors)."""
+    dev = target.device
+    W = target.lm_head.weight
+    norm = sum(step_decay ** k for k in range(unroll))
+    losses, hits, counts, runs, anchors = [], [0] * unroll, [0] * unroll, 0, 0
+    was_training = drafter.training
+    drafter.eval()
+    for i in range(n_batches):
+        tokens, valid = (t.to(dev) for t in batches.get(i))
+        hidden, emb, logp = target_side(target, tokens, drafter.cfg.feature_layers)
+        agree = torch.zeros(unroll, *valid.shape, dtype=torch.bool, device=dev)  # [k, b, t]
+        loss = 0.0
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            for k, b, t, logq, lp in _steps(drafter, hidden, emb, logp, valid, W, unroll):
+                loss += step_decay ** k * float(_soft_ce(logq, lp))
+                hit = logq.argmax(-1) == lp.argmax(-1)
+                agree[k, b, t] = hit
+                hits[k] += int(hit.sum())
+                counts[k] += len(hit)
+        losses.append(loss / norm)
+        first = valid[:, 1:]  # anchors whose first draft predicts a response token
+        runs += int(agree.long().cumprod(0).sum(0)[:, :-1][first].sum())
+        anchors += int(first.sum())
+    drafter.train(was_training)
+    return {"val_loss": round(sum(losses) / len(losses), 4),
+            "val_top1": [round(h / max(c, 1), 4) for h, c in zip(hits, counts)],
+            "val_accept_length": round(1 + runs / max(anchors, 1), 4)}
+
+
+def train_drafter(target_dir, out_dir, data, total_steps: int | None = None, total_minutes: float = 8.0,
+                  max_minutes: float = 8.0, batch_size: int = 32, seq_len: int = 768, lr: float = 1e-3,
+                  warmup: int = 100, weight_decay: float = 0.01, unroll: int = 6, step_decay: float = 0.8,
+                  feature_layers: list[int] | None = None, val_fraction: float = 0.02, eval_every: int = 250,
+                  eval_batches: int = 8, log_every: int = 10, checkpoint_minutes: float = 2.0, seed: int = 0,
+                  device: str = "auto", init_from=None, progress: bool = True) -> dict:
+    """Train the EAGLE drafter of the target in target_dir on a `collect_responses` dataset.
+
+    The schedule (warmup, cosine to 10%) spans total_steps, or, if not given, is fixed after a
+    short calibration to fit total_minutes of training. Re-run the same command to resume.
+    """
+    from tqdm import tqdm
+
+    from specla.checkpoint import load_model
+
+    t_start = time.time()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
+    rank, world = 0, 1
+    if distributed:
+        torch.distributed.init_process_group("nccl")
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        dev = torch.device("cuda", torch.cuda.current_device())
+    else:
+        dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                           ("cpu" if device == "auto" else device))
+    main = rank == 0
+    # the frozen target runs as it does when decoding: bf16 on GPU
+    target = load_model(target_dir, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    target.requires_grad_(False)
+
+    ckpt_path = out / "ckpt.pt"
+    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False) if ckpt_path.is_file() else None
+    if ckpt is None and init_from is not None:
+        # continue from an exported run (weights and counters; the optimiser starts afresh)
+        state = json.loads((Path(init_from) / "training_state.json").read_text())
+        ckpt = {"model": load_drafter(init_from).state_dict(), "optimizer": None, **state}
+    if ckpt is not None:
+        cfg = EagleConfig(**ckpt["config"])
+    else:
+        over = {"feature_layers": list(feature_layers)} if feature_layers is not None else {}
+        cfg = EagleConfig.for_target(target.cfg, **over)
+    cfg.check(target.cfg)
+    torch.manual_seed(seed)
+    drafter = EagleDrafterModel(cfg).to(dev)
+    if ckpt is not None:
+        drafter.load_state_dict(ckpt["model"])
+    decay = [p for p in drafter.parameters() if p.dim() >= 2]
+    no_decay = [p for p in drafter.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=dev.type == "cuda")
+    step, train_seconds, seqs_seen = 0, 0.0, 0
+    if ckpt is not None:
+        if ckpt["optimizer"] is not None:
+            opt.load_state_dict(ckpt["optimizer"])
+        step, train_seconds, seqs_seen = ckpt["step"], ckpt["train_seconds"], ckpt["sequences_seen"]
+        total_steps = total_steps or ckpt.get("total_steps")
+    net = _TTTLoss(drafter, unroll, step_decay)
+    if distributed:
+        net = nn.parallel.DistributedDataParallel(net, device_ids=[dev.index])
+
+    dataset = ResponseSet(data)
+    train_idx, val_idx = dataset.split(val_fraction, seed)
+    train = ResponseBatches(dataset, train_idx, batch_size, seq_len, seed, rank)
+    val = ResponseBatches(dataset, val_idx, batch_size, seq_len)
+    eval_batches = min(eval_batches, len(val))
+    log = open(out / "train_log.jsonl", "a") if main else None
+    if main and ckpt is None:
+        log.write(json.dumps({"event": "start", "config": dataclasses.asdict(cfg), "target": str(target_dir),
+                              "params": sum(p.numel() for p in drafter.parameters()), "data": str(data),
+                              "train_sequences": len(train_idx), "val_sequences": len(val_idx),
+                              "batch_size": batch_size * world, "seq_len": seq_len, "lr": lr, "unroll": unroll,
+                              "world": world, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"})
+                  + "\n")
+
+    def save() -> None:
+        if not main:
+            return
+        tmp = out / "ckpt.pt.tmp"
+        torch.save({"config": dataclasses.asdict(cfg), "model": drafter.state_dict(), "optimizer": opt.state_dict(),
+                    "step": step, "train_seconds": train_seconds, "sequences_seen": seqs_seen,
+                    "total_steps": total_steps}, tmp)
+        tmp.replace(ckpt_path)
+
+    drafter.train()
+    run_start = time.time()
+    last_ckpt = run_start
+    run_steps, calibration_start = 0, 0.0
+    metrics, evaluated_at = {}, None
+
+    def validate() -> dict:
+        nonlocal evaluated_at
+        evaluated_at = step
+        result = evaluate(drafter, target, val, eval_batches, unroll, step_decay)
+        if main:
+            log.write(json.dumps({"step": step, **result, "train_seconds": round(train_seconds, 1)}) + "\n")
+            log.flush()
+        return result
+
+    bar = tqdm(total=total_steps, initial=step, desc="train drafter", unit="step", disable=not (progress and main))
+    stop = False
+    while not stop:
+        if total_steps is not None and step >= total_steps:
+            break
+        t0 = time.time()
+        tokens, valid = (t.to(dev, non_blocking=True) for t in train.get(step))
+        hidden, emb, logp = target_side(target, tokens, cfg.feature_layers)
+        cur_lr = lr_at(step, total_steps or 10**9, lr, warmup)
+        for grp in opt.param_groups:
+            grp["lr"] = cur_lr
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            loss, top1 = net(hidden, emb, logp, valid, target.lm_head.weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        opt.step()
+        step += 1
+        run_steps += 1
+        seqs_seen += batch_size * world
+        if dev.type == "cuda" and (step % 10 == 0 or run_steps in (WARM_STEPS, WARM_STEPS + CALIBRATION_STEPS)):
+            torch.cuda.synchronize()
+        train_seconds += time.time() - t0
+        if total_steps is None and run_steps == WARM_STEPS:
+            calibration_start = train_seconds
+        if total_steps is None and run_steps == WARM_STEPS + CALIBRATION_STEPS:
+            # fix the schedule so the remaining budget is spent at the pace measured after
+            # the first steps (which include compiling the kernels)
+            per_step = (train_seconds - calibration_start) / CALIBRATION_STEPS
+            est = torch.tensor([step + int(max(0.0, total_minutes * 60 - train_seconds) / per_step)], device=dev)
+            if distributed:
+                torch.distributed.broadcast(est, 0)
+            total_steps = int(est.item())
+            bar.total = total_steps
+        bar.update(1)
+        if main and step % log_every == 0:
+            bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{top1[0].item():.3f}")
+            log.write(json.dumps({"step": step, "loss": round(loss.item(), 4), "top1": [round(x, 4) for x in top1.tolist()],
+                                  "lr": cur_lr, "grad_norm": round(float(gnorm), 3), "sequences": seqs_seen,
+                                  "train_seconds": round(train_seconds, 1)}) + "\n")
+        if step % eval_every == 0:
+            metrics = validate()
+        flag = torch.tensor([time.time() - run_start > max_minutes * 60], device=dev)
+        if distributed:  # every rank must stop at the same step
+            torch.distributed.broadcast(flag, 0)
+        stop = bool(flag.item())
+        if time.time() - last_ckpt > checkpoint_minutes * 60:
+            save()
+            last_ckpt = time.time()
+    bar.close()
+    if evaluated_at != step:  # every run ends with a validation
+        metrics = validate()
+    save()
+    summary = {"step": step, "total_steps": total_steps, "finished": total_steps is not None and step >= total_steps,
+               "sequences_seen": seqs_seen, "train_seconds": round(train_seconds, 1), **metrics,
+               "wall_seconds": round(time.time() - t_start, 1)}
+    if main:
+        log.write(json.dumps({"event": "end_of_run", **summary}) + "\n")
+        log.close()
+        export = save_drafter(drafter, out / "export", dtype=torch.bfloat16)
+        (export / "training_state.json").write_text(json.dumps(
+            {"config": dataclasses.asdict(cfg), "step": step, "train_seconds": train_seconds,
+             "sequences_seen": seqs_seen, "total_steps": total_steps, "target": str(target_dir),
+             "unroll": unroll, **metrics}) + "\n")
+    if distributed:
+        torch.distributed.destroy_process_group()
+    return summary

@@ -1,0 +1,356 @@
+"""EAGLE drafter and pruned draft trees: exactness (float64), tree construction properties,
+train/draft consistency, checkpoints, response data and resumable training (CPU, tiny shapes)."""
+
+import itertools
+import json
+import lzma
+import math
+import shutil
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specla import topology
+from specla.api import DEMO_DIR
+from specla.checkpoint import load_model, save_model
+from specla.config import ModelConfig
+from specla.decode import Decoder
+from specla.drafters import tree
+from specla.drafters.eagle import (EagleConfig, EagleDrafter, EagleDrafterModel, find_drafter, load_drafter,
+                                   save_drafter)
+from specla.errors import CheckpointError, InputError
+from specla.train.drafter import (ResponseSet, collect_responses, generate_responses, opening_turns,
+                                  save_responses, train_drafter)
+
+from conftest import random_model, tiny_config
+from test_exactness import assert_same_state, make_prompt
+
+NEW = 64
+ROUTES = {"chain": dict(topk=1, depth=5), "tree": dict(topk=3, depth=4, budget=8, tau=4.0)}
+
+
+def random_drafter(cfg: ModelConfig, seed: int, dtype=torch.float64) -> EagleDrafterModel:
+    torch.manual_seed(seed)
+    return EagleDrafterModel(EagleConfig.for_target(cfg)).to(dtype).eval()
+
+
+# exactness -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(4))
+def test_eagle_routes_equal_ar(seed):
+    cfg = tiny_config(seed)
+    model = random_model(cfg, seed)
+    dm = random_drafter(cfg, seed)
+    prompt = make_prompt(cfg, seed, 6 + seed % 5)
+    ar_rows, _, ar_cache = Decoder(model).run(torch.tensor([prompt]), NEW)
+    for route, opts in ROUTES.items():
+        for delayed in (True, False):
+            rows, res, cache = Decoder(model, EagleDrafter(dm, model, **opts), route, delayed=delayed).run(
+                torch.tensor([prompt]), NEW)
+            assert rows == ar_rows, (route, delayed)
+            assert_same_state(cache, ar_cache)
+            assert all(r.drafted <= EagleDrafter(dm, model, **opts).budget for r in res.rounds)
+
+
+def test_batched_rows_and_one_token_prompt():
+    cfg = tiny_config(3)
+    model = random_model(cfg, 3)
+    dm = random_drafter(cfg, 3)
+    prompts = torch.stack([torch.tensor(make_prompt(cfg, s, 8)) for s in range(3)])
+    ar_rows, _, ar_cache = Decoder(model).run(prompts, 24)
+    rows, _, cache = Decoder(model, EagleDrafter(dm, model, **ROUTES["tree"])).run(prompts, 24)
+    assert rows == ar_rows
+    assert_same_state(cache, ar_cache)
+    # no prefill: the first round has no feature to draft from and proposes the root alone
+    ar_rows, _, _ = Decoder(model).run(prompts[:1, :1], 16)
+    rows, res, _ = Decoder(model, EagleDrafter(dm, model, **ROUTES["chain"])).run(prompts[:1, :1], 16)
+    assert rows == ar_rows and res.rounds[0].drafted == 0 and res.rounds[1].drafted == 5
+
+
+@pytest.mark.parametrize("route", ["chain", "tree"])
+def test_training_unroll_is_what_drafting_computes(route):
+    """Every node of a rollout scores exactly what the training-time test computes for the same
+    path: step k of the anchor before the root, with the path's tokens as inputs."""
+    cfg = tiny_config(2)
+    model = random_model(cfg, 2)
+    dm = random_drafter(cfg, 2)
+    x = torch.tensor([make_prompt(cfg, 2, 7)])
+    drafter = EagleDrafter(dm, model, **{**ROUTES[route], "tau": None})
+    out = model(x[:, :-1], model.new_cache(1), capture=drafter.capture)
+    drafter.extend(x[:, :-1], out.hidden, torch.tensor([x.shape[1] - 1]))
+    tok, par, score = (t[0].tolist() for t in drafter.rollout(x[:, -1]))
+    t = x.shape[1] - 2  # the anchor: the last consumed token
+    for i in range(len(tok)):
+        path = [i]
+        while par[path[-1]] >= 0:
+            path.append(par[path[-1]])
+        y = torch.cat([x, torch.tensor([[tok[j] for j in reversed(path)]])], 1)
+        feats = model(y, model.new_cache(1), capture=drafter.capture).hidden
+        with torch.no_grad():
+            hs = dm.unroll(dm.features([feats[j] for j in drafter.capture]), model.embeddings(y), len(path))
+            q = sum(torch.log_softmax(dm.logits(h[0, t], model.lm_head.weight), -1)[y[0, t + k + 2]]
+                    for k, h in enumerate(hs))
+        assert abs(float(q) - score[i]) < 1e-10
+
+
+# tree construction ---------------------------------------------------------------------------
+
+def _fake_scorer(vocab: int, seed: int):
+    """step(d, tokens, src) for tree.beam_search: log-probs that depend on each beam's whole path."""
+    paths = [[()]]
+
+    def logp_of(path):
+        g = torch.Generator().manual_seed(hash((seed,) + path) % 2**31)
+        return torch.log_softmax(torch.randn(vocab, generator=g, dtype=torch.float64) * 3, 0)
+
+    def step(d, tokens, src):
+        new = [paths[-1][s] + ((t,) if d else ()) for s, t in zip(src[0].tolist(), tokens[0].tolist())]
+        paths.append(new)
+        return torch.stack([logp_of(p) for p in new])[None]
+
+    return step, logp_of
+
+
+def _brute_rollout(logp_of, vocab, topk, depth):
+    """Beam top-k over explicit paths: {path: q} of every proposed node."""
+    q, beams, pool = {(): 0.0}, [()], {}
+    for _ in range(depth):
+        props = []
+        for b in beams:
+            lp = logp_of(b).tolist()
+            for tok in sorted(range(vocab), key=lambda v: (-lp[v], v))[:topk]:
+                q[b + (tok,)] = q[b] + lp[tok]
+                props.append(b + (tok,))
+        pool.update((p, q[p]) for p in props)
+        beams = sorted(props, key=lambda p: -q[p])[:topk]
+    return pool
+
+
+def _paths(tokens, parents):
+    out = []
+    for i in range(len(tokens)):
+        out.append((out[parents[i]] if parents[i] >= 0 else ()) + (tokens[i],))
+    return out
+
+
+shapes = st.sampled_from([(1, 1), (1, 4), (2, 1), (2, 2), (2, 3), (3, 1), (3, 2)])
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=shapes, vocab=st.integers(3, 6), seed=st.integers(0, 10**6), budget=st.integers(1, 12),
+       tau=st.one_of(st.none(), st.floats(0, 8)))
+def test_tree_construction(shape, vocab, seed, budget, tau):
+    topk, depth = shape
+    step, logp_of = _fake_scorer(vocab, seed)
+    tok, par, score = (t[0].tolist() for t in tree.beam_search(step, torch.tensor([0]), topk, depth, tau))
+    pool = dict(zip(_paths(tok, par), score))
+    best = max(score)
+    inside = lambda s: tau is None or s >= best - tau  # noqa: E731
+    # the rollout equals explicit enumeration (the window of it, with tau: the rollout stops early)
+    brute = _brute_rollout(logp_of, vocab, topk, depth)
+    assert {p: s for p, s in pool.items() if inside(s)} == {p: s for p, s in brute.items() if inside(s)}
+    assert all(s <= pool[p[:-1]] for p, s in pool.items() if len(p) > 1)  # q never increases along a path
+
+    kept = tree.select(score, par, budget, tau)
+    assert len(kept) == min(budget, sum(inside(s) for s in score))
+    assert all(inside(score[i]) for i in kept)
+    # the kept set is the ancestor-closed subset of the window with the largest total score
+    window = [i for i in range(len(score)) if inside(score[i])]
+    best_set = max((set(c) for c in itertools.combinations(window, len(kept))
+                    if all(par[i] < 0 or par[i] in c for i in c)), key=lambda c: sum(score[i] for i in c))
+    assert math.isclose(sum(score[i] for i in kept), sum(score[i] for i in best_set), abs_tol=1e-12)
+
+    tokens, parents = tree.pack(7, tok, par, score, kept)
+    topology.as_parents(parents)  # topological
+    assert tokens[0] == 7 and len(tokens) - 1 == len(kept) <= budget
+    node = {p: j for j, p in enumerate(_paths(tokens[1:], [q - 1 for q in parents[1:]]), start=1)}
+    assert set(node) == {_paths(tok, par)[i] for i in kept}  # the same nodes, ancestor-closed
+    sc = [0.0] + [pool[p] for p in sorted(node, key=node.get)]
+    depth_of = topology.depths(torch.tensor([parents]))[0].tolist()
+    assert depth_of == sorted(depth_of)  # depth by depth
+    for kids in topology.children(torch.tensor(parents)):
+        assert [sc[c] for c in kids] == sorted((sc[c] for c in kids), reverse=True)  # best child first
+    if len(tokens) > 1:
+        assert parents[1] == 0 and sc[1] == max(sc[1:])  # node 1 is the best first token
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), n=st.integers(1, 14), budget=st.integers(0, 14), tau=st.one_of(st.none(), st.floats(0, 3)))
+def test_select_any_scores(data, n, budget, tau):
+    """Scores that may increase along a path: missing ancestors are joined, the budget holds."""
+    parents = [-1] + [data.draw(st.integers(-1, i - 1)) for i in range(1, n)]
+    scores = data.draw(st.lists(st.floats(-5, 0), min_size=n, max_size=n))
+    kept = tree.select(scores, parents, budget, tau)
+    assert len(kept) <= budget and kept == sorted(set(kept))
+    assert all(parents[i] < 0 or parents[i] in kept for i in kept)
+    # every kept node is in the window or an ancestor joined for one that is
+    best, depth = max(scores), tree.depths(parents)
+    inside = {i for i in kept if tau is None or scores[i] >= best - tau}
+    joined = {a for i in inside for a in itertools.accumulate(range(depth[i] - 1), lambda j, _: parents[j], initial=i)}
+    assert set(kept) == joined
+    top = min(range(n), key=lambda i: (-scores[i], depth[i], i))  # the best node fits whenever its path does
+    assert (top in kept) == (depth[top] <= budget)
+
+
+def test_entry_ancestors_is_the_ancestor_mask():
+    g = torch.Generator().manual_seed(0)
+    k, depth, B = 3, 4, 2
+    E = 1 + (depth - 1) * k
+    anc = torch.zeros(B, E, E, dtype=torch.bool)
+    parents = torch.full((B, E), -1)
+    parent = torch.zeros(B, 1, dtype=torch.long)
+    start = 0
+    for d in range(depth):
+        n = parent.shape[1]
+        anc[:, start:start + n] = tree.entry_ancestors(anc, parent, start)
+        if d:
+            parents[:, start:start + n] = parent
+        nxt = torch.randint(0, n, (B, k), generator=g)
+        parent, start = start + nxt, start + n
+    assert torch.equal(anc, topology.ancestor_mask(parents))
+
+
+# checkpoints -----------------------------------------------------------------------------------
+
+def test_save_load_round_trip(tmp_path):
+    from safetensors import safe_open
+
+    cfg = tiny_config(1)
+    model = random_model(cfg, 1)
+    dm = random_drafter(cfg, 1)
+    save_drafter(dm, tmp_path / "drafter")
+    names = safe_open(str(tmp_path / "drafter" / "model.safetensors"), "pt").keys()
+    assert not [n for n in names if "embed" in n or "lm_head" in n]
+    back = load_drafter(tmp_path / "drafter", model)
+    assert back.cfg == dm.cfg
+    for (n, a), (_, b) in zip(dm.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(a, b), n
+    assert find_drafter(tmp_path) == tmp_path / "drafter" and find_drafter(tmp_path / "drafter") is None
+    drafter = EagleDrafter.load(tmp_path / "drafter", model, topk=2, depth=3, budget=5)
+    assert drafter.max_nodes == 6 and drafter.capture == tuple(dm.cfg.feature_layers)
+    with pytest.raises(InputError, match="CUDA"):
+        EagleDrafter(back, model, graphs=True)
+    other = random_model(tiny_config(1, hidden_size=dm.cfg.hidden_size + 8), 1)
+    with pytest.raises(CheckpointError, match="hidden size"):
+        load_drafter(tmp_path / "drafter", other)
+
+
+def test_demo_shape_fits_the_budget():
+    from specla.data.tokenizer import load_tokenizer
+    from specla.train.target import demo_config
+
+    tcfg = demo_config(load_tokenizer(DEMO_DIR))
+    cfg = EagleConfig.for_target(tcfg)
+    assert cfg.feature_layers == [3, 6, 11]
+    with torch.device("meta"):
+        n = sum(p.numel() for p in EagleDrafterModel(cfg).parameters())
+    assert n * 2 <= 4 * 10**6  # bf16, embedding and LM head shared with the target
+
+
+# data and training -----------------------------------------------------------------------------
+
+TINY = dict(vocab_size=48, hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_heads=2, num_v_heads=2,
+            head_dim=8, head_v_dim=8, max_position_embeddings=512)
+
+
+def _response_data(tmp_path):
+    model = random_model(ModelConfig(**TINY), 1)
+    save_model(model, tmp_path / "target")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 48, (int(torch.randint(5, 9, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(32)]
+    done = generate_responses(model, prompts, 32, (), batch_size=8, progress=False)
+    for i, p, r in done[:3]:  # each batch was cut to its shortest prompt; responses are AR's
+        assert p == prompts[i][len(prompts[i]) - len(p):]
+        assert r == Decoder(model).run(torch.tensor([p]), 32)[0][0]
+    save_responses(tmp_path / "data.npz", [p for _, p, _ in done], [r for _, _, r in done], ["x"] * 32, {"k": 1})
+    return model
+
+
+def test_training_resumes_and_raises_acceptance(tmp_path):
+    model = _response_data(tmp_path)
+    data = ResponseSet(tmp_path / "data.npz")
+    assert len(data) == 32 and data.meta == {"k": 1} and len(data.sequence(0)) == data.prompt_len[0] + 32
+    kw = dict(total_steps=150, batch_size=8, seq_len=64, lr=3e-3, warmup=5, unroll=3, eval_every=100,
+              eval_batches=2, log_every=1, device="cpu", progress=False)
+    whole = train_drafter(tmp_path / "target", tmp_path / "whole", tmp_path / "data.npz", **kw)
+    first = train_drafter(tmp_path / "target", tmp_path / "run", tmp_path / "data.npz", max_minutes=0.0, **kw)
+    assert first["step"] == 1 and not first["finished"]
+    second = train_drafter(tmp_path / "target", tmp_path / "run", tmp_path / "data.npz", **kw)
+    assert second["step"] == 150 and second["finished"] and whole["finished"]
+    a = torch.load(tmp_path / "whole" / "ckpt.pt", weights_only=False)["model"]
+    b = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)["model"]
+    assert all(torch.equal(a[n], b[n]) for n in a)  # resuming changes nothing
+    log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    assert len([r for r in log if "val_accept_length" in r]) >= 2
+    assert set(json.loads((tmp_path / "run" / "export" / "training_state.json").read_text())) >= {"step", "val_top1"}
+    # a run that lost ckpt.pt continues from the export
+    again = train_drafter(tmp_path / "target", tmp_path / "run2", tmp_path / "data.npz", init_from=tmp_path / "run" / "export",
+                          **{**kw, "total_steps": 152})
+    assert again["step"] == 152 and again["sequences_seen"] == second["sequences_seen"] + 16
+
+    # on the prompts it trained on, the trained drafter is accepted more than an untrained one, still exactly
+    trained = load_drafter(tmp_path / "run" / "export", model)
+    untrained = random_drafter(model.cfg, 0)
+    prompts = [data.sequence(i)[:data.prompt_len[i]].tolist() for i in range(4)]
+    ar = [Decoder(model).run(torch.tensor([p]), 32)[0] for p in prompts]
+    accepted = {}
+    for name, dm in (("trained", trained), ("untrained", untrained)):
+        accepted[name] = 0
+        for route, opts in ROUTES.items():
+            for p, want in zip(prompts, ar):
+                rows, res, _ = Decoder(model, EagleDrafter(dm, model, **opts), route).run(torch.tensor([p]), 32)
+                assert rows == want
+                accepted[name] += sum(r.accepted for r in res.rounds)
+    assert accepted["trained"] > 2 * accepted["untrained"] + 10, accepted
+
+
+def test_opening_turns():
+    text = ("<|bos|><|system|>\nBe brief.\n<|user|>\nHi\nthere\n<|assistant|>\nHello<|eos|>"
+            "<|user|>\nMore\n<|assistant|>\nOk<|eos|>")
+    assert opening_turns(text) == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi\nthere"}]
+    assert opening_turns("<|bos|><|assistant|>\nx<|eos|>") == []
+
+
+def test_collect_responses(tmp_path):
+    """End to end on a tiny target with the demo tokenizer and a two-source corpus."""
+    from specla.data.tokenizer import render_chat
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    chats = [[{"role": "user", "content": f"question {i}?"}, {"role": "assistant", "content": "answer"}] for i in range(6)]
+    with lzma.open(corpus / "train.jsonl.xz", "wt") as f:
+        for i, turns in enumerate(chats):
+            f.write(json.dumps({"source": "sharegpt", "id": f"c{i}_{i % 2}", "text": render_chat(turns)}) + "\n")
+        f.write(json.dumps({"source": "pydocs", "id": "d", "text": "<|bos|>text<|eos|>"}) + "\n")
+    model = random_model(ModelConfig(**{**TINY, "vocab_size": 8192}), 2)
+    save_model(model, tmp_path / "target")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO_DIR / name, tmp_path / "target" / name)
+    summary = collect_responses(tmp_path / "target", tmp_path / "resp.npz", n_prompts=5, max_new_tokens=6,
+                                corpus_dir=corpus, gsm8k_share=0.4, max_prompt_tokens=40, batch_size=2, progress=False)
+    data = ResponseSet(tmp_path / "resp.npz")
+    # 3 ShareGPT conversation openers (chunk _0) and 2 GSM8K questions
+    assert summary["sequences"] == len(data) == 5 and sorted(data.source.tolist()) == ["gsm8k"] * 2 + ["sharegpt"] * 3
+    tok_model = load_model(tmp_path / "target")
+    for i in range(len(data)):
+        seq, n = data.sequence(i).tolist(), int(data.prompt_len[i])
+        assert seq[:3] == [0, 4, 204] and len(seq) == n + 6 and n <= 40  # the chat header survives cuts
+        assert seq[n:] == Decoder(tok_model).run(torch.tensor([seq[:n]]), 6)[0][0]
+
+
+def test_sampling_is_lossless():
+    """Deterministic top-k proposals are point masses: sampled output follows the target's law."""
+    from specla.decode import Sampling
+    from test_sampling import N, check_fit, empirical, exact_joint
+
+    cfg = tiny_config(7, vocab_size=5, hidden_size=16, num_hidden_layers=2, num_heads=1, num_v_heads=2,
+                      head_dim=4, head_v_dim=4, use_short_conv=True)
+    model = random_model(cfg, 7)
+    prompt = [1, 3, 0, 2, 4, 1]
+    probs, _ = exact_joint(model, prompt, 1.0, 0.9)
+    drafter = EagleDrafter(random_drafter(cfg, 7), model, topk=2, depth=2, initial_capacity=16)
+    rows, _, _ = Decoder(model, drafter, "tree", sampling=Sampling(1.0, 0.9, seed=3)).run(torch.tensor([prompt] * N), 3)
+    assert check_fit(empirical(rows, cfg.vocab_size), probs) > 0.001
