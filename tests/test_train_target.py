@@ -51,3 +51,21 @@ def test_schedule():
     assert lr_at(0, 100, 1.0, 10) == 0.1
     assert abs(lr_at(10, 100, 1.0, 10) - 1.0) < 1e-9
     assert abs(lr_at(100, 100, 1.0, 10) - 0.1) < 1e-9
+
+
+def test_chunked_training_form_matches_recurrence():
+    """The differentiable chunked UT form equals the token recurrence, values and gradients."""
+    from specla.ops.gdn.naive import gdn_recurrent
+    from specla.ops.gdn.train import gdn_train
+
+    torch.manual_seed(0)
+    B, T, H, HV, K, V = 2, 37, 2, 4, 8, 6
+    f = torch.nn.functional.normalize
+    q = f(torch.randn(B, T, H, K, dtype=torch.float64), dim=-1)
+    k = f(torch.randn(B, T, H, K, dtype=torch.float64), dim=-1)
+    v = torch.randn(B, T, HV, V, dtype=torch.float64)
+    g, beta = -torch.rand(B, T, HV, dtype=torch.float64), torch.rand(B, T, HV, dtype=torch.float64)
+    ref = gdn_recurrent(q, k, v, g, beta, torch.zeros(B, HV, K, V, dtype=torch.float64), 0.3)
+    assert (gdn_train(q, k, v, g, beta, 0.3, chunk=16) - ref).abs().max() < 1e-12
+    args = tuple(t[:1, :10].clone().requires_grad_() for t in (q, k, v, g, beta))
+    assert torch.autograd.gradcheck(lambda *a: gdn_train(*a, 0.3, chunk=4), args)
