@@ -49,7 +49,7 @@ for step in "$@"; do
     bench:*) bench "${step#bench:}" ;;
     *) echo "unknown step $step" ;;
   esac
+  tar czf "$OUT/results.tgz" -C "$STAGE" .  # after every step: a call cut short keeps what finished
 done
 echo "=== done $(date +%T)"
-tar czf "$OUT/results.tgz" -C "$STAGE" .
 ls -la "$OUT" "$STAGE"
