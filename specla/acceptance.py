@@ -24,16 +24,24 @@ class Acceptance:
         return self.length - 1
 
 
-def greedy(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor) -> Acceptance:
+def _live(valid, B, n, device) -> torch.Tensor:
+    """[B, n] mask of real nodes; padding (index >= valid[b]) is never accepted."""
+    idx = torch.arange(n, device=device).expand(B, n)
+    return idx < valid[:, None] if valid is not None else torch.ones(B, n, dtype=torch.bool, device=device)
+
+
+def greedy(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor,
+           valid: torch.Tensor | None = None) -> Acceptance:
     """Follow the child whose token is the target's argmax (lowest id on ties, as AR)."""
     B, n = tokens.shape
+    live = _live(valid, B, n, tokens.device)
     rows = torch.arange(B, device=tokens.device)
     target = logits.argmax(-1)  # torch returns the first maximal index
     cur = torch.zeros(B, dtype=torch.long, device=tokens.device)
     path = torch.zeros(B, n, dtype=torch.long, device=tokens.device)
     length = torch.ones(B, dtype=torch.long, device=tokens.device)
     for j in range(1, n):
-        move = (parents[:, j] == cur) & (tokens[:, j] == target[rows, cur])
+        move = (parents[:, j] == cur) & (tokens[:, j] == target[rows, cur]) & live[:, j]
         path[rows, length.clamp(max=n - 1)] = torch.where(move, j, path[rows, length.clamp(max=n - 1)])
         length = length + move.long()
         cur = torch.where(move, j, cur)
@@ -53,7 +61,8 @@ def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -
 
 
 def sample(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, draft_probs: torch.Tensor | None,
-           temperature: float, top_p: float, generator: torch.Generator | None = None) -> Acceptance:
+           temperature: float, top_p: float, generator: torch.Generator | None = None,
+           valid: torch.Tensor | None = None) -> Acceptance:
     """Lossless acceptance for chains and trees: recursive rejection sampling over siblings.
 
     `draft_probs[b, j]` is the distribution node j's token was drawn from, given its parent's
@@ -67,6 +76,7 @@ def sample(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, dr
     B, n = tokens.shape
     dev = tokens.device
     rows = torch.arange(B, device=dev)
+    live = _live(valid, B, n, dev)
     p = target_probs(logits, temperature, top_p)  # [B, n, V] float64
     resid = p[:, 0].clone()
     cur = torch.zeros(B, dtype=torch.long, device=dev)
@@ -74,7 +84,7 @@ def sample(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, dr
     length = torch.ones(B, dtype=torch.long, device=dev)
     u = torch.rand(B, n, generator=generator, device=dev, dtype=torch.float64)
     for j in range(1, n):
-        cand = parents[:, j] == cur
+        cand = (parents[:, j] == cur) & live[:, j]
         x = tokens[:, j]
         if draft_probs is None:
             q = torch.nn.functional.one_hot(x, p.shape[-1]).double()

@@ -67,7 +67,8 @@ class Generation:
     prompt_tokens: int
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """JSON-ready: undefined rates (NaN, e.g. no draft rounds) become None."""
+        return {k: (None if isinstance(v, float) and v != v else v) for k, v in asdict(self).items()}
 
 
 class TextStream:

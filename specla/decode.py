@@ -203,10 +203,11 @@ class Decoder:
         draft = self.drafter.propose(DraftContext(hist, target.cache, self.sampling.temperature, gen))
         tokens = draft.tokens.to(self.model.device)
         parents = draft.parents.to(self.model.device)
-        out, acc = target.verify(tokens, parents, capture, greedy=self.sampling.greedy)
+        valid = draft.valid.to(self.model.device) if draft.valid is not None else None
+        out, acc = target.verify(tokens, parents, capture, greedy=self.sampling.greedy, valid=valid)
         if acc is None:
             acc = acceptance.sample(tokens, parents, out.logits, draft.probs,
-                                    self.sampling.temperature, self.sampling.top_p, gen)
+                                    self.sampling.temperature, self.sampling.top_p, gen, valid)
         B = tokens.shape[0]
         rows = torch.arange(B, device=tokens.device)[:, None]
         width = acc.path.shape[1]
@@ -233,6 +234,8 @@ class Decoder:
             hidden = {i: h[rows, acc.path] for i, h in out.hidden.items()}
             self.drafter.extend(path_tokens, hidden, length)
         ftm = None
-        if draft.tokens.shape[1] > 1 and int(draft.parents[0, 1]) == 0:  # the drafter's own tensors
+        if (draft.valid is None or int(draft.valid[0]) > 1) and draft.tokens.shape[1] > 1 \
+                and int(draft.parents[0, 1]) == 0:  # the drafter's own tensors
             ftm = int(draft.tokens[0, 1]) == packed[0][2]
-        return new, RoundStats(draft.size, lengths[0] - 1, 0, ftm)
+        drafted = draft.size if draft.valid is None else int(draft.valid[0]) - 1
+        return new, RoundStats(drafted, lengths[0] - 1, 0, ftm)

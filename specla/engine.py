@@ -32,10 +32,12 @@ class EagerTarget:
         """Consume the root [B]; the next-token logits [B, V]."""
         return self.model.forward(root[:, None], self.cache).logits[:, -1]
 
-    def verify(self, tokens, parents, capture=(), greedy=True):
-        """Score a topology; with `greedy`, also accept: (ModelOutput, Acceptance | None)."""
+    def verify(self, tokens, parents, capture=(), greedy=True, valid=None):
+        """Score a topology; with `greedy`, also accept: (ModelOutput, Acceptance | None).
+
+        `valid` [B]: real nodes per row; the rest is padding acceptance ignores."""
         out = self.model.verify(tokens, parents, self.cache, capture)
-        acc = acceptance.greedy(tokens, parents, out.logits) if greedy else None
+        acc = acceptance.greedy(tokens, parents, out.logits, valid) if greedy else None
         return out, acc
 
     def commit(self, records, path, length, delayed: bool) -> None:
@@ -55,6 +57,7 @@ class GraphTarget(EagerTarget):
         self.root = torch.zeros(batch, dtype=torch.long, device=dev)
         self.tokens = torch.zeros(batch, budget, dtype=torch.long, device=dev)
         self.parents = torch.arange(-1, budget - 1, device=dev).expand(batch, -1).contiguous()
+        self.valid = torch.full((batch,), budget, dtype=torch.long, device=dev)
         self.path = torch.zeros(batch, budget, dtype=torch.long, device=dev)
         self.length = torch.zeros(batch, dtype=torch.long, device=dev)
         self.graphs: dict = {}
@@ -107,22 +110,23 @@ class GraphTarget(EagerTarget):
         graph.replay()
         return out
 
-    def verify(self, tokens, parents, capture=(), greedy=True):
+    def verify(self, tokens, parents, capture=(), greedy=True, valid=None):
         if not greedy:  # sampling draws random numbers: run eagerly on the same buffers
-            return super().verify(tokens, parents, capture, greedy)
+            return super().verify(tokens, parents, capture, greedy, valid)
         n = tokens.shape[1]
         if n > self.budget:
             raise ValueError(f"draft of {n} nodes exceeds the graph budget of {self.budget}")
-        # pad by repeating the last node: a later twin is never accepted ahead of it
+        # pad with a chain under the last node; acceptance ignores nodes past `valid`
         self.tokens[:, :n].copy_(tokens)
         self.tokens[:, n:].copy_(tokens[:, -1:].expand(-1, self.budget - n))
         self.parents[:, :n].copy_(parents)
-        self.parents[:, n:].copy_(parents[:, -1:].expand(-1, self.budget - n))
+        self.parents[:, n:].copy_(torch.arange(n - 1, self.budget - 1, device=tokens.device))
+        self.valid.copy_(valid if valid is not None else torch.full_like(self.valid, n))
         key = ("verify", tuple(capture))
 
         def run():
             out = self.model.verify(self.tokens, self.parents, self.cache, capture)
-            return out, acceptance.greedy(self.tokens, self.parents, out.logits)
+            return out, acceptance.greedy(self.tokens, self.parents, out.logits, self.valid)
 
         graph, (out, acc) = self.graphs.get(key) or self._capture(key, run)
         graph.replay()
@@ -186,7 +190,7 @@ class FlaTarget(EagerTarget):
         self.pkv = out.past_key_values
         return out.logits[:, -1]
 
-    def verify(self, tokens, parents, capture=(), greedy=True):
+    def verify(self, tokens, parents, capture=(), greedy=True, valid=None):
         from specla.topology import root_to_leaf_paths
 
         n = tokens.shape[1]
@@ -198,7 +202,7 @@ class FlaTarget(EagerTarget):
             for i in capture:
                 hidden[i][:, path] = hid[i].to(hidden[i].dtype)
         self.tokens = tokens
-        acc = acceptance.greedy(tokens, parents, logits) if greedy else None
+        acc = acceptance.greedy(tokens, parents, logits, valid) if greedy else None
         return ModelOutput(logits, hidden), acc
 
     def commit(self, records, path, length, delayed):

@@ -53,10 +53,13 @@ class GDNLayerState:
     def set_pending(self, rec: "GDNRecord", path: torch.Tensor, length: torch.Tensor) -> None:
         rows = torch.arange(path.shape[0], device=path.device)[:, None]
         k, g, u = rec.k[rows, path], rec.g[rows, path], rec.u[rows, path]
-        if self.pending is None or self.pending[0].shape != k.shape:
+        P = k.shape[1]
+        if self.pending is None or self.pending[0].shape[1] < P or self.pending[0].shape[2:] != k.shape[2:]:
             self.pending = (torch.empty_like(k), torch.empty_like(g), torch.empty_like(u), torch.zeros_like(length))
-        for buf, val in zip(self.pending, (k, g, u, length)):
-            buf.copy_(val)
+        # a shorter path fills the front of the buffers, which keep their identity (graphs read them)
+        for buf, val in zip(self.pending[:3], (k, g, u)):
+            buf[:, :P].copy_(val)
+        self.pending[3].copy_(length)
 
 
 @dataclass

@@ -43,6 +43,9 @@ def test_generate_json(model_dir):
     for key in ("text", "tokens", "route", "rounds", "mean_accepted_length", "tokens_per_second"):
         assert key in res
     assert res["route"] == "tree" and 0 < len(res["tokens"]) <= 12
+    code, out, err = specla("generate", "--model", str(model_dir), "--prompt", "x", "--route", "ar",
+                            "-n", "3", "--json", "--device", "cpu")
+    json.loads(out, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
 
 
 def test_generate_streams_text_and_summary(model_dir):

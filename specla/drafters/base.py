@@ -21,6 +21,9 @@ class Draft:
     # The distribution each node's token was drawn from ([B, n, V]); None: deterministic
     # proposals (point masses), e.g. top-k children. Only sampling acceptance reads it.
     probs: torch.Tensor | None = None
+    # Real nodes per row ([B]; None: all n). Rows are padded to a common n; padded nodes are
+    # verified but never accepted.
+    valid: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -57,13 +60,14 @@ class Drafter:
 def pad_drafts(rows: list[tuple[list[int], list[int]]], device=None) -> Draft:
     """Stack per-row (tokens, parents) of different sizes into one Draft.
 
-    Short rows are padded by repeating their last node (same token, same parent). A repeated
-    later sibling is never accepted ahead of its twin, and under point-mass sampling its
-    token's residual mass is already 0, so padding changes no output.
+    Short rows are padded with a chain hanging off their last node (a valid topology);
+    `valid` tells acceptance to ignore the padding.
     """
     n = max(len(t) for t, _ in rows)
     toks, pars = [], []
     for t, p in rows:
         toks.append(t + [t[-1]] * (n - len(t)))
-        pars.append(p + [p[-1]] * (n - len(p)))
-    return Draft(torch.tensor(toks, dtype=torch.long, device=device), torch.tensor(pars, dtype=torch.long, device=device))
+        pars.append(p + list(range(len(p) - 1, n - 1)))
+    valid = None if all(len(t) == n for t, _ in rows) else torch.tensor([len(t) for t, _ in rows], device=device)
+    return Draft(torch.tensor(toks, dtype=torch.long, device=device),
+                 torch.tensor(pars, dtype=torch.long, device=device), valid=valid)
