@@ -86,7 +86,8 @@ def write_card(model_dir: Path, log_path: Path, prompts: int = 3, max_new_tokens
         "## Training",
         "",
         f"- device: {s['device']} × {s['world']}; batch {s['batch_size']} × {s['seq_len']} tokens; AdamW "
-        f"(0.9, 0.95), peak LR {s['lr']}, warmup then cosine to 10%, bf16 autocast, fla's chunk kernel",
+        f"(0.9, 0.95), peak LR {s['lr']}, warmup then cosine to 10%, bf16 autocast, GDN through the chunked UT form in PyTorch "
+        "(`specla/ops/gdn/train.py`; fla's chunk backward is refused on Hopper with Triton 3.6)",
         f"- {len(log['runs'])} resumable runs; steps {last['step']} of {last['total_steps']}; "
         f"tokens seen {last['tokens_seen'] / 1e6:.1f} M "
         f"({last['tokens_seen'] / s['train_tokens']:.1f} epochs); training time {last['train_seconds'] / 60:.1f} min",
