@@ -36,9 +36,22 @@ train() {  # train MINUTES [TOTAL_MINUTES]
   cp "$RUN"/export/*.safetensors "$OUT"/
 }
 
+responses() {  # responses MINUTES: the demo target's own answers, the drafter's data
+  timeout $(( ${1%.*} * 60 + 120 )) python3 -m specla.cli data responses --target specla/models/demo \
+    --out /tmp/responses.npz --corpus .corpus --max-minutes "$1" --no-graphs
+  cp /tmp/responses.npz "$STAGE"/
+}
+
+drafter() {  # drafter MINUTES: train the EAGLE drafter of the demo target
+  timeout $(( ${1%.*} * 60 + 120 )) python3 -m specla.cli train drafter --target specla/models/demo \
+    --data /tmp/responses.npz --out /tmp/drafter-run --max-minutes "$1" --total-minutes "$1"
+  mkdir -p "$STAGE/drafter"
+  cp /tmp/drafter-run/train_log.jsonl /tmp/drafter-run/export/* "$STAGE/drafter/"
+}
+
 bench() {  # bench NAME [ARGS...]
   local name=$1; shift
-  timeout 420 python3 -m specla.cli bench "$name" "$@" --out "$STAGE" 2>&1 | tee "$STAGE/bench-$name.log"
+  timeout "${BENCH_TIMEOUT:-420}" python3 -m specla.cli bench "$name" "$@" --out "$STAGE" 2>&1 | tee "$STAGE/bench-$name.log"
 }
 
 for step in "$@"; do
@@ -46,6 +59,8 @@ for step in "$@"; do
   case $step in
     smoke) smoke ;;
     train:*) IFS=: read -r _ mins total <<<"$step"; train "$mins" "$total" ;;
+    responses:*) responses "${step#responses:}" ;;
+    drafter:*) drafter "${step#drafter:}" ;;
     bench:*) bench "${step#bench:}" ;;
     *) echo "unknown step $step" ;;
   esac

@@ -76,14 +76,40 @@ def bench_kernels(
 @bench_app.command("decode")
 def bench_decode(
     shapes: str = typer.Option("gdn-1.3b-paper,gdn-1.3b-paper-hybrid", help="Comma-separated named shapes."),
-    new_tokens: int = typer.Option(64),
-    rounds: int = typer.Option(50),
+    new_tokens: int = typer.Option(32),
+    rounds: int = typer.Option(30),
     out: Path = typer.Option(Path("benchmarks/results")),
 ):
     """AR ms/token (eager and CUDA graphs) and one 16-node speculative round, at named shapes (GPU)."""
     from specla.bench.decode import run
 
     run(tuple(s for s in shapes.split(",") if s), new_tokens=new_tokens, rounds=rounds, out_dir=out)
+
+
+@train_app.command("drafter")
+def train_drafter_cmd(
+    target: Path = typer.Option(..., help="Target checkpoint directory."),
+    data: Path = typer.Option(..., help="Responses .npz from `specla data responses`."),
+    out: Path = typer.Option(..., help="Run directory (checkpoint, log, export/). Re-run to resume."),
+    total_minutes: float = typer.Option(8.0),
+    max_minutes: float = typer.Option(8.0),
+    total_steps: Optional[int] = typer.Option(None),
+    batch_size: int = typer.Option(32),
+    seq_len: int = typer.Option(768),
+    lr: float = typer.Option(1e-3),
+    unroll: int = typer.Option(6, help="Training-time-test steps (drafter fed its own outputs)."),
+    feature_layers: Optional[str] = typer.Option(None, help="Comma-separated target layers (default L/4, L/2, L-1)."),
+    device: str = typer.Option("auto"),
+    init_from: Optional[Path] = typer.Option(None),
+):
+    """Train the EAGLE-style drafter of a target (bf16 autocast; torchrun for several GPUs)."""
+    from specla.train.drafter import train_drafter
+
+    layers = [int(x) for x in feature_layers.split(",")] if feature_layers else None
+    typer.echo(json.dumps(train_drafter(
+        target, out, data, total_steps=total_steps, total_minutes=total_minutes, max_minutes=max_minutes,
+        batch_size=batch_size, seq_len=seq_len, lr=lr, unroll=unroll, feature_layers=layers, device=device,
+        init_from=init_from)))
 
 
 @train_app.command("card")
@@ -95,6 +121,30 @@ def train_card(
     from specla.train.card import write_card
 
     typer.echo(str(write_card(model, log)))
+
+
+@data_app.command("responses")
+def data_responses(
+    target: Path = typer.Option(..., help="Target checkpoint directory."),
+    out: Path = typer.Option(..., help="Output .npz of prompts and the target's greedy responses."),
+    corpus: Path = typer.Option(Path(".corpus")),
+    n_prompts: int = typer.Option(8192),
+    max_new_tokens: int = typer.Option(256),
+    gsm8k_share: float = typer.Option(0.3),
+    max_prompt_tokens: int = typer.Option(384),
+    batch_size: int = typer.Option(128),
+    max_minutes: Optional[float] = typer.Option(None),
+    graphs: bool = typer.Option(False, "--graphs/--no-graphs"),
+    device: str = typer.Option("auto"),
+    dtype: str = typer.Option("auto"),
+):
+    """The target's greedy responses to training prompts (the drafter's training data)."""
+    from specla.train.drafter import collect_responses
+
+    typer.echo(json.dumps(collect_responses(
+        target, out, n_prompts=n_prompts, max_new_tokens=max_new_tokens, corpus_dir=corpus,
+        gsm8k_share=gsm8k_share, max_prompt_tokens=max_prompt_tokens, batch_size=batch_size,
+        max_minutes=max_minutes, graphs=graphs, device=device, dtype=dtype)))
 
 
 @data_app.command("corpus")
