@@ -28,6 +28,7 @@ from specla.topology import as_parents
 
 DEMO_DIR = Path(__file__).parent / "models" / "demo"
 ROUTES = ("ar", "chain", "tree", "fla", "mtp")
+DRAFTERS = ("auto", "eagle", "ngram")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64, "fp64": torch.float64}
 
@@ -95,6 +96,7 @@ class SpecLA:
         self.model = model
         self.tokenizer = tokenizer
         self.model_dir = model_dir
+        self._eagle = None  # trained drafter weights, loaded on first use
 
     @classmethod
     def load(cls, model_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto") -> "SpecLA":
@@ -127,13 +129,32 @@ class SpecLA:
         return [int(t) for t in prompt]
 
     # drafters -------------------------------------------------------------------------------
-    def drafter(self, route: str, chain_length: int = 8, tree_topk: int = 4, tree_budget: int = 16) -> Drafter | None:
+    def drafter(self, route: str, chain_length: int = 8, tree_topk: int = 4, tree_budget: int = 16,
+                tree_depth: int = 6, tree_tau: float | None = None, drafter: str = "auto") -> Drafter | None:
+        """The drafter serving a route: the checkpoint's trained EAGLE drafter (`<model>/drafter/`)
+        when there is one and `drafter` is not "ngram", else prompt lookup."""
         if route not in ROUTES:
             raise InputError(f"unknown route {route!r}; choose one of {', '.join(ROUTES)}")
-        if chain_length < 1 or tree_topk < 1 or tree_budget < 1:
-            raise InputError("chain length, tree top-k and tree budget must be positive")
+        if drafter not in DRAFTERS:
+            raise InputError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
+        if chain_length < 1 or tree_topk < 1 or tree_budget < 1 or tree_depth < 1:
+            raise InputError("chain length, tree top-k, depth and budget must be positive")
         if route == "ar":
             return None
+        if route in ("chain", "tree", "fla") and drafter != "ngram":
+            from specla.drafters.eagle import EagleDrafter, find_drafter, load_drafter
+
+            path = find_drafter(self.model_dir)
+            if path is not None:
+                if self._eagle is None:
+                    self._eagle = load_drafter(path, self.model, device=self.model.device, dtype=self.model.dtype)
+                graphs = self.model.device.type == "cuda"
+                if route in ("chain", "fla"):
+                    return EagleDrafter(self._eagle, self.model, topk=1, depth=chain_length, graphs=graphs)
+                return EagleDrafter(self._eagle, self.model, topk=tree_topk, depth=tree_depth, budget=tree_budget,
+                                    tau=tree_tau, graphs=graphs)
+            if drafter == "eagle":
+                raise InputError(f"{self.model_dir} has no drafter/ directory (train one with `specla train drafter`)")
         if route in ("chain", "fla"):  # fla: the FLA-SD baseline verifies the same chains
             return NgramDrafter(length=chain_length, topk=1)
         if route == "tree":
@@ -145,9 +166,11 @@ class SpecLA:
     # generation -----------------------------------------------------------------------------
     def generate(self, prompt, route: str = "tree", max_new_tokens: int = 128, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, chat: bool | None = None, chain_length: int = 8,
-                 tree_topk: int = 4, tree_budget: int = 16, delayed: bool = True, on_text=None) -> Generation:
+                 tree_topk: int = 4, tree_budget: int = 16, tree_depth: int = 6, tree_tau: float | None = None,
+                 drafter: str = "auto", delayed: bool = True, on_text=None) -> Generation:
         ids = self.encode_prompt(prompt, chat)
-        decoder = Decoder(self.model, self.drafter(route, chain_length, tree_topk, tree_budget), route,
+        draft = self.drafter(route, chain_length, tree_topk, tree_budget, tree_depth, tree_tau, drafter)
+        decoder = Decoder(self.model, draft, route,
                           sampling=Sampling(temperature, top_p, seed), delayed=delayed,
                           eos_token_ids=self.tokenizer.eos_token_ids | set(self.model.cfg.eos_token_id),
                           executor="fla" if route == "fla" else "specla")

@@ -35,6 +35,10 @@ def generate(
     chain_length: int = typer.Option(8, "--chain-length", help="Draft tokens per chain round."),
     tree_topk: int = typer.Option(4, "--tree-topk", help="Children per node in draft trees."),
     tree_budget: int = typer.Option(16, "--tree-budget", help="Draft nodes per tree round."),
+    tree_depth: int = typer.Option(6, "--tree-depth", help="Deepest draft-tree level (trained drafter)."),
+    tree_tau: Optional[float] = typer.Option(None, "--tree-tau", help="Confidence pruning: keep nodes within "
+                                             "tau nats of the best cumulative log-probability."),
+    drafter: str = typer.Option("auto", help="auto (the checkpoint's trained drafter, else ngram) | eagle | ngram"),
     immediate_commit: bool = typer.Option(False, "--immediate-commit", help="Commit states right after each round "
                                           "instead of folding the update into the next verify."),
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
@@ -50,7 +54,8 @@ def generate(
     lm = api.load(model, device=device, dtype=dtype)
     kwargs = dict(route=route, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                   chat=False if raw else None, chain_length=chain_length, tree_topk=tree_topk,
-                  tree_budget=tree_budget, delayed=not immediate_commit)
+                  tree_budget=tree_budget, tree_depth=tree_depth, tree_tau=tree_tau, drafter=drafter,
+                  delayed=not immediate_commit)
     if as_json:
         typer.echo(json.dumps(lm.generate(prompt, **kwargs).to_dict()))
         return
@@ -71,6 +76,27 @@ def bench_kernels(
     from specla.bench.kernels import run
 
     run(out_dir=str(out), device=device, quick=quick)
+
+
+@bench_app.command("e2e")
+def bench_e2e(
+    model: Optional[Path] = typer.Option(None, help="Checkpoint directory with drafter/ (default: the demo pair)."),
+    suites: str = typer.Option("mixed,gsm8k,humaneval"),
+    routes: str = typer.Option("ar,fla,chain,tree,ngram"),
+    limit: Optional[int] = typer.Option(None, help="First N prompts of each suite."),
+    fla_limit: int = typer.Option(160, help="The slow fla route runs on the first N prompts of each suite."),
+    max_new_tokens: int = typer.Option(128),
+    device: str = typer.Option("auto"),
+    dtype: str = typer.Option("auto"),
+    max_minutes: Optional[float] = typer.Option(None, help="Stop after this long; the next call resumes."),
+    name: str = typer.Option("e2e", help="Result file stem."),
+    out: Path = typer.Option(Path("benchmarks/results")),
+):
+    """End-to-end speedup, accepted length, first-token match and exact match on real prompts (Fig 9)."""
+    from specla.bench.e2e import run
+
+    run(model, tuple(suites.split(",")), tuple(routes.split(",")), limit=limit, fla_limit=fla_limit,
+        max_new_tokens=max_new_tokens, device=device, dtype=dtype, out_dir=out, name=name, max_minutes=max_minutes)
 
 
 @bench_app.command("decode")

@@ -1,0 +1,166 @@
+"""`specla bench e2e`: end-to-end greedy decoding on real prompts (SpecLA §8.2, Fig 9).
+
+Routes: `ar`; `fla` (FLA-SD: the chain drafter verified by fla's own model, token-replay
+commit); `chain` (8-token chains of the trained drafter); `tree` (≤ 16 nodes, top-k 4, the
+trained drafter); `ngram` (prompt lookup, trees). Per suite (`mixed` 480, `gsm8k` 1,319,
+`humaneval` 164) each prompt is generated once per route; the speedup is AR's summed latency
+over the route's summed latency on the same prompts, with a 95% bootstrap interval over
+prompts, beside mean accepted length (τ: tokens per round), first-token match and the
+fraction of prompts whose output equals AR's exactly.
+
+Every finished (suite, route, prompt) is appended to a JSONL log next to the results, so a
+call that runs out of time resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from specla.bench.common import RESULTS, write_results
+
+ROUTES = ("ar", "fla", "chain", "tree", "ngram")
+SUITES = ("mixed", "gsm8k", "humaneval")
+
+
+def _route_kwargs(route: str) -> dict:
+    return {
+        "ar": dict(route="ar"),
+        "fla": dict(route="fla", chain_length=8),
+        "chain": dict(route="chain", chain_length=8),
+        "tree": dict(route="tree", tree_topk=4, tree_budget=16),
+        "ngram": dict(route="tree", drafter="ngram", tree_topk=4, tree_budget=16),
+    }[route]
+
+
+def bootstrap_ratio(num: list[float], den: list[float], reps: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% interval of Σnum / Σden, resampling prompts with replacement."""
+    rng = random.Random(seed)
+    n = len(num)
+    stats = []
+    for _ in range(reps):
+        idx = [rng.randrange(n) for _ in range(n)]
+        stats.append(sum(num[i] for i in idx) / max(sum(den[i] for i in idx), 1e-12))
+    stats.sort()
+    return stats[int(0.025 * reps)], stats[int(0.975 * reps) - 1]
+
+
+def bootstrap_mean(xs: list[float], reps: int = 2000, seed: int = 0) -> tuple[float, float]:
+    return bootstrap_ratio(xs, [1.0] * len(xs), reps, seed)
+
+
+def _summarise(records: dict, route: str) -> dict:
+    """Stats of `route` over the prompts that both it and AR finished."""
+    ar, rt = records.get("ar", {}), records.get(route, {})
+    ids = sorted(set(ar) & set(rt))
+    if not ids:
+        return {"prompts": 0}
+    lat_ar = [ar[i]["seconds"] for i in ids]
+    lat = [rt[i]["seconds"] for i in ids]
+    tau = [rt[i]["mean_accepted_length"] for i in ids]
+    ftm = [rt[i]["first_token_match"] for i in ids if rt[i]["first_token_match"] is not None]
+    exact = [float(rt[i]["tokens"] == ar[i]["tokens"]) for i in ids]
+    out = {
+        "prompts": len(ids),
+        "speedup": sum(lat_ar) / sum(lat), "speedup_ci95": bootstrap_ratio(lat_ar, lat),
+        "mean_accepted_length": sum(tau) / len(tau), "mean_accepted_length_ci95": bootstrap_mean(tau),
+        "first_token_match": sum(ftm) / len(ftm) if ftm else None,
+        "first_token_match_ci95": bootstrap_mean(ftm) if ftm else None,
+        "exact_match_rate": sum(exact) / len(exact),
+        "tokens_per_second": sum(len(rt[i]["tokens"]) for i in ids) / sum(lat),
+    }
+    # where outputs that differ from AR's first differ: [prompt id, token index]
+    out["first_divergence"] = [
+        [i, next((k for k, (a, b) in enumerate(zip(ar[i]["tokens"], rt[i]["tokens"])) if a != b),
+                 min(len(ar[i]["tokens"]), len(rt[i]["tokens"])))]
+        for i, same in zip(ids, exact) if not same][:50]
+    return out
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    suites = [s for s in SUITES if s in result["suites"]]
+    routes = [r for r in ROUTES if r != "ar" and any(result["suites"][s].get(r, {}).get("prompts") for s in suites)]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.2 + 0.3 * len(routes)))
+    for ax, (key, label) in zip(axes, [("speedup", "speedup over AR"), ("mean_accepted_length", "accepted length τ"),
+                                       ("first_token_match", "first-token match")]):
+        for k, suite in enumerate(suites):
+            for j, route in enumerate(routes):
+                r = result["suites"][suite].get(route, {})
+                if not r.get("prompts") or r.get(key) is None:
+                    continue
+                y = k * (len(routes) + 1) + j
+                ci = r.get(f"{key}_ci95")
+                err = [[r[key] - ci[0]], [ci[1] - r[key]]] if ci else None
+                ax.barh(y, r[key], xerr=err, color=f"C{j}", label=route if k == 0 else None)
+        ax.set_yticks([k * (len(routes) + 1) + (len(routes) - 1) / 2 for k in range(len(suites))], suites)
+        ax.set_title(label)
+        ax.invert_yaxis()
+        if key == "speedup":
+            ax.axvline(1.0, color="grey", lw=0.8, ls=":")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"end-to-end greedy decoding, {result['max_new_tokens']} new tokens, {result['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(model_dir=None, suites=SUITES, routes=ROUTES, limit: int | None = None, fla_limit: int = 160,
+        max_new_tokens: int = 128, device: str = "auto", dtype: str = "auto", out_dir=RESULTS,
+        name: str = "e2e", max_minutes: float | None = None) -> dict:
+    from tqdm import tqdm
+
+    import specla.api as api
+    from specla.data.suites import load_suite
+
+    start = time.time()
+    lm = api.load(model_dir, device=device, dtype=dtype)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_path = out_dir / f"{name}.records.jsonl"
+    records: dict = {}
+    if log_path.is_file():
+        for line in log_path.read_text().splitlines():
+            r = json.loads(line)
+            records.setdefault(r["suite"], {}).setdefault(r["route"], {})[r["id"]] = r
+    warm = lm.generate("warm up", route="tree", max_new_tokens=8)  # compile and capture outside the timings
+    del warm
+    stopped = False
+    with open(log_path, "a") as log:
+        for suite in suites:
+            prompts = load_suite(suite, limit=limit)
+            for route in routes:
+                todo = prompts[:fla_limit] if route == "fla" else prompts
+                done = records.get(suite, {}).get(route, {})
+                for p in tqdm([p for p in todo if p.id not in done], desc=f"{suite}/{route}", unit="prompt"):
+                    if max_minutes is not None and time.time() - start > max_minutes * 60:
+                        stopped = True
+                        break
+                    t0 = time.perf_counter()
+                    g = lm.generate(p.turns[0], max_new_tokens=max_new_tokens, **_route_kwargs(route))
+                    if lm.model.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    rec = {"suite": suite, "route": route, "id": p.id, "seconds": time.perf_counter() - t0,
+                           "decode_seconds": g.decode_seconds, "tokens": g.tokens, "rounds": g.rounds,
+                           "mean_accepted_length": g.mean_accepted_length,
+                           "first_token_match": g.to_dict()["first_token_match"]}
+                    log.write(json.dumps(rec) + "\n")
+                    log.flush()
+                    records.setdefault(suite, {}).setdefault(route, {})[p.id] = rec
+    result = {"dtype": str(lm.model.dtype).replace("torch.", ""), "model": str(lm.model_dir),
+              "max_new_tokens": max_new_tokens, "complete": not stopped,
+              "suites": {s: {r: _summarise(records.get(s, {}), r) for r in routes if r != "ar"}
+                         for s in suites}}
+    for s in suites:
+        result["suites"][s]["ar"] = {"prompts": len(records.get(s, {}).get("ar", {})), "speedup": 1.0}
+    path = write_results(name, result, out_dir)
+    plot(json.loads(path.read_text()), out_dir / f"{name}.png")
+    return result
