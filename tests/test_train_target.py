@@ -69,3 +69,23 @@ def test_chunked_training_form_matches_recurrence():
     assert (gdn_train(q, k, v, g, beta, 0.3, chunk=16) - ref).abs().max() < 1e-12
     args = tuple(t[:1, :10].clone().requires_grad_() for t in (q, k, v, g, beta))
     assert torch.autograd.gradcheck(lambda *a: gdn_train(*a, 0.3, chunk=4), args)
+
+
+def test_torchrun_ddp_on_cpu(tmp_path):
+    """The same command under torchrun: two processes (gloo on CPU) train one model in lockstep."""
+    import subprocess
+    import sys
+
+    corpus = _corpus(tmp_path / "corpus")
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps(dict(vocab_size=8192, hidden_size=16, num_hidden_layers=1, intermediate_size=32,
+                                   num_heads=1, num_v_heads=1, head_dim=8, head_v_dim=8, tie_word_embeddings=True)))
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+           "-m", "specla.cli", "train", "target", "--out", str(run), "--corpus", str(corpus), "--config", str(cfg),
+           "--total-steps", "4", "--batch-size", "2", "--seq-len", "16", "--device", "cpu"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    start = json.loads((run / "train_log.jsonl").read_text().splitlines()[0])
+    assert start["world"] == 2 and start["batch_size"] == 4
+    assert load_model(run / "export").cfg.hidden_size == 16

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ import torch.nn as nn
 
 from specla.drafters.eagle import EagleConfig, EagleDrafterModel, load_drafter, save_drafter
 from specla.model import Model
+from specla.train.dist import setup, wrap
 from specla.train.target import CALIBRATION_STEPS, lr_at
 
 WARM_STEPS = 5  # steps before calibration starts timing (kernel compilation, autotuning)
@@ -343,16 +343,7 @@ def train_drafter(target_dir, out_dir, data, total_steps: int | None = None, tot
     t_start = time.time()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
-    rank, world = 0, 1
-    if distributed:
-        torch.distributed.init_process_group("nccl")
-        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-        dev = torch.device("cuda", torch.cuda.current_device())
-    else:
-        dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                           ("cpu" if device == "auto" else device))
+    dev, rank, world, distributed = setup(device)
     main = rank == 0
     # the frozen target runs as it does when decoding: bf16 on GPU
     target = load_model(target_dir, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
@@ -384,9 +375,7 @@ def train_drafter(target_dir, out_dir, data, total_steps: int | None = None, tot
             opt.load_state_dict(ckpt["optimizer"])
         step, train_seconds, seqs_seen = ckpt["step"], ckpt["train_seconds"], ckpt["sequences_seen"]
         total_steps = total_steps or ckpt.get("total_steps")
-    net = _TTTLoss(drafter, unroll, step_decay)
-    if distributed:
-        net = nn.parallel.DistributedDataParallel(net, device_ids=[dev.index])
+    net = wrap(_TTTLoss(drafter, unroll, step_decay), dev, distributed)
 
     dataset = ResponseSet(data)
     train_idx, val_idx = dataset.split(val_fraction, seed)

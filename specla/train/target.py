@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import shutil
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 
 from specla.config import ModelConfig
 from specla.model import Model
+from specla.train.dist import setup, wrap
 
 CALIBRATION_STEPS = 30
 
@@ -86,16 +86,7 @@ def train_target(out_dir, corpus_dir, tokenizer_dir, config: ModelConfig | None 
     t_start = time.time()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
-    rank, world = 0, 1
-    if distributed:
-        torch.distributed.init_process_group("nccl")
-        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-        dev = torch.device("cuda", torch.cuda.current_device())
-    else:
-        dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                           ("cpu" if device == "auto" else device))
+    dev, rank, world, distributed = setup(device)
     main = rank == 0
     tok = load_tokenizer(tokenizer_dir)
 
@@ -125,9 +116,7 @@ def train_target(out_dir, corpus_dir, tokenizer_dir, config: ModelConfig | None 
             opt.load_state_dict(ckpt["optimizer"])
         step, train_seconds, tokens_seen = ckpt["step"], ckpt["train_seconds"], ckpt["tokens_seen"]
         total_steps = total_steps or ckpt.get("total_steps")
-    net = _LossModule(model)
-    if distributed:
-        net = nn.parallel.DistributedDataParallel(net, device_ids=[dev.index])
+    net = wrap(_LossModule(model), dev, distributed)
 
     corpus_dir = Path(corpus_dir)
     train_tokens = tokenize_split(corpus_dir, "train", tok, out / "tokens_train.npy", progress and main)
