@@ -97,6 +97,9 @@ class SpecLA:
         self.tokenizer = tokenizer
         self.model_dir = model_dir
         self._eagle = None  # trained drafter weights, loaded on first use
+        # Reused across generate calls: drafters (their graphs) and targets (cache, graphs).
+        self._drafters: dict = {}
+        self._targets: dict = {}
 
     @classmethod
     def load(cls, model_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto") -> "SpecLA":
@@ -169,8 +172,10 @@ class SpecLA:
                  tree_topk: int = 4, tree_budget: int = 16, tree_depth: int = 6, tree_tau: float | None = None,
                  drafter: str = "auto", delayed: bool = True, on_text=None) -> Generation:
         ids = self.encode_prompt(prompt, chat)
-        draft = self.drafter(route, chain_length, tree_topk, tree_budget, tree_depth, tree_tau, drafter)
-        decoder = Decoder(self.model, draft, route,
+        key = (route, chain_length, tree_topk, tree_budget, tree_depth, tree_tau, drafter)
+        if key not in self._drafters:
+            self._drafters[key] = self.drafter(*key)
+        decoder = Decoder(self.model, self._drafters[key], route, targets=self._targets,
                           sampling=Sampling(temperature, top_p, seed), delayed=delayed,
                           eos_token_ids=self.tokenizer.eos_token_ids | set(self.model.cfg.eos_token_id),
                           executor="fla" if route == "fla" else "specla")

@@ -81,7 +81,8 @@ class Decoder:
     def __init__(self, model: Model, drafter: Drafter | None = None, route: str | None = None,
                  sampling: Sampling | None = None, delayed: bool = True,
                  eos_token_ids: tuple[int, ...] | set[int] = (), max_context: int | None = None,
-                 prefill_chunk: int = 2048, graphs: bool | None = None, executor: str = "specla"):
+                 prefill_chunk: int = 2048, graphs: bool | None = None, executor: str = "specla",
+                 targets: dict | None = None):
         self.model = model
         self.route = route or (drafter.name if drafter is not None else "ar")
         self.drafter = drafter
@@ -95,6 +96,9 @@ class Decoder:
         if executor not in ("specla", "fla"):
             raise InputError(f"unknown executor {executor!r}")
         self.executor = executor  # "fla": the FLA-SD baseline (fla's model, token replay)
+        # Targets (cache buffers and their CUDA graphs) kept across generations; pass the same
+        # dict to later Decoders of the same model to reuse them.
+        self.targets = {} if targets is None else targets
 
     # input checks ----------------------------------------------------------------------------
     def _check(self, prompts: torch.Tensor, max_new_tokens: int) -> None:
@@ -134,14 +138,7 @@ class Decoder:
             self.drafter.reset(B)
         result = GenerationResult(tokens=[], route=self.route)
 
-        max_len = T + max_new_tokens + 64
-        if self.executor == "fla":
-            target = FlaTarget(model, B, max_len)
-        elif self.graphs:
-            budget = self.drafter.max_nodes if self.drafter is not None else 1
-            target = GraphTarget(model, B, max_len, budget, self.delayed)
-        else:
-            target = EagerTarget(model, B, max_len)
+        target = self._target(B, T + max_new_tokens + 64)
         cache = target.cache
         _sync(dev)
         t0 = time.perf_counter()
@@ -189,6 +186,20 @@ class Decoder:
         _sync(dev)
         result.decode_seconds = time.perf_counter() - t1
         return emitted, result, cache
+
+    def _target(self, batch: int, max_len: int):
+        if self.executor == "fla":
+            return FlaTarget(self.model, batch, max_len)
+        budget = self.drafter.max_nodes if self.drafter is not None else 1
+        key = ("graph", batch, budget, self.delayed) if self.graphs else ("eager", batch)
+        target = self.targets.get(key)
+        if target is not None and target.max_len >= max_len:
+            target.reset()
+            return target
+        target = (GraphTarget(self.model, batch, max_len, budget, self.delayed) if self.graphs
+                  else EagerTarget(self.model, batch, max_len))
+        self.targets[key] = target
+        return target
 
     def _ar_step(self, target, root, gen):
         logits = target.step(root)

@@ -23,7 +23,18 @@ from specla.state import Cache, GDNLayerState
 class EagerTarget:
     def __init__(self, model: Model, batch: int, max_len: int):
         self.model = model
+        self.max_len = max_len
         self.cache: Cache = model.new_cache(batch, max_len=max_len)
+
+    def reset(self) -> None:
+        """Empty the cache in place, so a new generation reuses its buffers (and graphs)."""
+        for st in self.cache.layers:
+            for t in vars(st).values():
+                if isinstance(t, torch.Tensor):
+                    t.zero_()
+                elif isinstance(t, tuple):
+                    t[-1].zero_()  # pending: nothing left to apply
+        self.cache.length.zero_()
 
     def prefill(self, tokens: torch.Tensor, capture=()) -> ModelOutput:
         return self.model.forward(tokens, self.cache, capture)

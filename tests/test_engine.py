@@ -67,3 +67,17 @@ def test_graph_target_matches_eager(emulated_graphs, delayed):
             assert (a.S - b.S).abs().max() < 1e-10
     # rounds with a lone root (padded to the budget, nothing acceptable) happened
     assert any(r.drafted == 0 for r in res.rounds) and any(r.accepted > 0 for r in res.rounds)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_reused_target_starts_clean(emulated_graphs, graphs):
+    """A target reused across generations (cache reset in place) gives a fresh run's tokens."""
+    cfg = tiny_config(6)
+    model = random_model(cfg, 6)
+    a, b = [3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8]
+    fresh = Decoder(model, NgramDrafter(length=4, topk=2, budget=8), graphs=graphs).generate(b, 30).tokens
+    shared: dict = {}
+    drafter = NgramDrafter(length=4, topk=2, budget=8)
+    Decoder(model, drafter, graphs=graphs, targets=shared).generate(a, 30)
+    assert Decoder(model, drafter, graphs=graphs, targets=shared).generate(b, 30).tokens == fresh
+    assert len(shared) == 1

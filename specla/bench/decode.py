@@ -10,6 +10,7 @@ the same tokens as the eager path (AR and an n-gram tree route).
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -108,4 +109,28 @@ def run(shapes=("gdn-1.3b-paper", "gdn-1.3b-paper-hybrid"), new_tokens: int = 64
     Console().print(table)
     result = {"copy_bandwidth_GBps": bw / 1e9, "new_tokens": new_tokens, "prompt_len": prompt_len, "rows": rows}
     write_results("decode", result, out_dir)
+    plot(result, Path(out_dir) / "decode.png")
     return result
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = [("weight_floor_ms", "weights / bandwidth"), ("ar_step_ms", "AR step (graph)"),
+            ("round16_ms", "16-node round (delayed)"), ("round16_immediate_ms", "16-node round (immediate)")]
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    rows = result["rows"]
+    for j, (key, label) in enumerate(bars):
+        ax.barh([i * (len(bars) + 1) + j for i in range(len(rows))], [r[key] for r in rows], color=f"C{j}",
+                label=label)
+    ax.set_yticks([i * (len(bars) + 1) + 1.5 for i in range(len(rows))], [r["shape"] for r in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms (batch 1, bf16 weights, fp32 state)")
+    ax.legend(fontsize=8)
+    ax.set_title("target cost per step against the weight-read floor")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

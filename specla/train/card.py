@@ -90,7 +90,8 @@ def write_card(model_dir: Path, log_path: Path, prompts: int = 3, max_new_tokens
         "(`specla/ops/gdn/train.py`; fla's chunk backward is refused on Hopper with Triton 3.6)",
         f"- {len(log['runs'])} resumable runs; steps {last['step']} of {last['total_steps']}; "
         f"tokens seen {last['tokens_seen'] / 1e6:.1f} M "
-        f"({last['tokens_seen'] / s['train_tokens']:.1f} epochs); training time {last['train_seconds'] / 60:.1f} min",
+        f"({last['tokens_seen'] / s['train_tokens']:.1f} epochs); training time {last['train_seconds'] / 60:.1f} min "
+        f"(wall time {sum(r['wall_seconds'] for r in log['runs']) / 60:.1f} min with tokenisation and evaluation)",
         f"- final train loss {final_train:.3f} (mean of the last 10 logged batches), "
         f"validation loss {final_val:.3f} nats/token",
         "",

@@ -1,0 +1,458 @@
+"""DSpark-style parallel block drafter: a parallel backbone plus a sequential head (docs/ready.md).
+
+One drafter forward proposes a whole block of `block_size` (7) tokens:
+
+    x_0 = emb(root), x_i = m_i (i = 1..P-1)           the root (last emitted token) and learned
+                                                      mask embeddings, at positions len + i
+    per draft layer l:
+        K, V = [ k_l(c_l(F_s)), v_l(c_l(F_s)) for every consumed token s ;  k_l(x), v_l(x) of the block ]
+        x   += o_l(attn(q_l(x), K, V))                 non-causal inside the block, all of the context
+        x   += mlp_l(x)
+    logits_i = lm_head(norm(x_i)) + U[prev_i] Vᵀ       sequential head: a rank-r Markov bias on the
+                                                      token before position i (the root for i = 0,
+                                                      else the token drafted at i - 1)
+    conf_i   = σ(w · norm_c(x_i) + a · max log p_i + c) acceptance of position i given positions < i
+
+F_s = fuse([norm₁(f¹_s); norm₂(f²_s); norm₃(f³_s)]) fuses the residual streams of low, middle
+and high target layers for token s (as the EAGLE drafter; `capture` = those layers, delivered by
+`extend`), and c_l is a per-layer RMSNorm. The context's K/V depend on F only, so the drafter
+keeps a cache of them per layer, written by `extend` for every consumed token (no attention, no
+MLP for history entries). The target's embedding and LM head are shared by reference (frozen,
+never saved). Drafting: position i predicts the token i + 1 places after the root; the tokens
+are the greedy choices of the sequential head, position by position (point masses,
+`Draft.probs = None`), and the block is cut after the last position whose cumulative
+expected acceptance Π_{j≤i} conf_j is at least `threshold` (at least `min_draft` tokens).
+
+`DSparkModel.block_hidden` is the same computation for many anchors of whole training
+sequences at once (`specla.train.block_drafter`); `layer_forward` is shared. Subclasses
+(ReaDy, `specla.drafters.ready`) add to the residual stream through `inject`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from specla.attention import apply_rotary, rotary_inv_freq
+from specla.config import ModelConfig
+from specla.drafters.base import Draft, DraftContext, Drafter
+from specla.drafters.eagle import default_feature_layers
+from specla.errors import CheckpointError, InputError
+from specla.model import GatedMLP, Model, RMSNorm
+
+MODEL_TYPE = "specla_dspark"
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+DSPARK_DIR = "dspark"  # a target checkpoint's DSpark drafter lives in <target>/dspark/
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@dataclass
+class DSparkConfig:
+    hidden_size: int  # the target's (its embedding and LM head are shared)
+    vocab_size: int
+    feature_layers: list[int]  # target layers whose residual stream forms the context
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    intermediate_size: int
+    block_size: int = 7  # draft positions per block (root + block_size - 1 masks)
+    seq_rank: int = 16  # rank of the sequential head's Markov bias
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+
+    @classmethod
+    def for_target(cls, target: ModelConfig, **over) -> "DSparkConfig":
+        """Two layers of 64-dim heads, MLP 2x: 1.77 M parameters (3.5 MB bf16) at the demo shape."""
+        D = target.hidden_size
+        heads = max(1, D // 64)
+        kw = dict(hidden_size=D, vocab_size=target.vocab_size,
+                  feature_layers=default_feature_layers(target.num_hidden_layers), num_layers=2,
+                  num_heads=heads, head_dim=D // heads, intermediate_size=2 * D, norm_eps=target.norm_eps)
+        kw.update(over)
+        return cls(**kw)
+
+    def check(self, target: ModelConfig) -> None:
+        if self.hidden_size != target.hidden_size or self.vocab_size != target.vocab_size:
+            raise CheckpointError(
+                f"the drafter was trained for hidden size {self.hidden_size} and vocabulary {self.vocab_size}; "
+                f"the target has {target.hidden_size} and {target.vocab_size}")
+        bad = [i for i in self.feature_layers if not 0 <= i < target.num_hidden_layers]
+        if bad:
+            raise CheckpointError(f"the drafter reads target layer {bad[0]}, but the target has "
+                                  f"{target.num_hidden_layers} layers")
+        if self.block_size < 1:
+            raise CheckpointError(f"block size must be positive, got {self.block_size}")
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DSparkConfig):
+        super().__init__()
+        D, eps, Hd = cfg.hidden_size, cfg.norm_eps, cfg.num_heads * cfg.head_dim
+        self.attn_norm = RMSNorm(D, eps)
+        self.ctx_norm = RMSNorm(D, eps)  # the context feature as this layer's key/value input
+        self.q_proj = nn.Linear(D, Hd, bias=False)
+        self.k_proj = nn.Linear(D, Hd, bias=False)
+        self.v_proj = nn.Linear(D, Hd, bias=False)
+        self.o_proj = nn.Linear(Hd, D, bias=False)
+        self.mlp_norm = RMSNorm(D, eps)
+        self.mlp = GatedMLP(D, cfg.intermediate_size)
+
+
+# The reader context a subclass's `inject` receives (ReaDy: the states to read); None for DSpark.
+ReadFn = Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
+
+
+class DSparkModel(nn.Module):
+    """The drafter's own weights (no embedding, no LM head)."""
+
+    model_type = MODEL_TYPE
+
+    def __init__(self, cfg: DSparkConfig):
+        super().__init__()
+        D, eps, P = cfg.hidden_size, cfg.norm_eps, cfg.block_size
+        self.cfg = cfg
+        self.feature_norms = nn.ModuleList(RMSNorm(D, eps) for _ in cfg.feature_layers)
+        self.fuse = nn.Linear(len(cfg.feature_layers) * D, D, bias=False)
+        self.mask_emb = nn.Parameter(torch.randn(max(P - 1, 0), D) * 0.02)
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(D, eps)
+        self.seq_u = nn.Embedding(cfg.vocab_size, cfg.seq_rank)
+        self.seq_v = nn.Linear(cfg.seq_rank, cfg.vocab_size, bias=False)
+        nn.init.zeros_(self.seq_v.weight)  # no bias before training: the backbone alone
+        self.conf_norm = RMSNorm(D, eps)
+        self.conf = nn.Linear(D, 1)
+        self.conf_logp = nn.Parameter(torch.ones(()))
+        self.scale = cfg.head_dim ** -0.5
+        self._inv_freq: dict = {}
+
+    # pieces shared by drafting and training ----------------------------------------------------
+    def features(self, hidden: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The fused context feature F [B, n, D] from the captured layers' residual streams."""
+        return self.fuse(torch.cat([norm(h) for norm, h in zip(self.feature_norms, hidden)], -1))
+
+    def _rotary(self, x: torch.Tensor) -> torch.Tensor:
+        key = (x.device, x.dtype)
+        if key not in self._inv_freq:
+            self._inv_freq[key] = rotary_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, x.dtype).to(x.device)
+        return self._inv_freq[key]
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(*t.shape[:-1], self.cfg.num_heads, self.cfg.head_dim)
+
+    def context_kv(self, i: int, feat: torch.Tensor, pos: torch.Tensor):
+        """Layer i's keys (rotated) and values for context features feat [B, n, D] at positions pos [B, n]."""
+        layer = self.layers[i]
+        c = layer.ctx_norm(feat)
+        k = apply_rotary(self._heads(layer.k_proj(c)), pos, self._rotary(feat))
+        return k, self._heads(layer.v_proj(c))
+
+    def block_input(self, root_emb: torch.Tensor) -> torch.Tensor:
+        """[..., D] root embeddings -> [..., P, D]: the root, then the mask embeddings."""
+        m = self.mask_emb.to(root_emb.dtype).expand(*root_emb.shape[:-1], -1, -1)
+        return torch.cat([root_emb[..., None, :], m], -2)
+
+    def inject(self, i: int, site: str, x: torch.Tensor, blocks: int, read) -> torch.Tensor | None:
+        """Residual added to layer i's stream x [B, blocks * P, D] before ("pre") or after ("post")
+        its attention; None: nothing (DSpark). ReaDy reads the target's states here."""
+        return None
+
+    def layer_forward(self, i: int, x: torch.Tensor, pos: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
+                      mask: torch.Tensor, blocks: int = 1, read=None) -> torch.Tensor:
+        """x [B, N, D] (N = blocks * P) at positions pos [B, N]; ctx_k, ctx_v [B, H, C, hd] the
+        context entries (rotated keys); mask [B, N, C + N]: which context and block keys each
+        query sees."""
+        layer = self.layers[i]
+        add = self.inject(i, "pre", x, blocks, read)
+        if add is not None:
+            x = x + add
+        h = layer.attn_norm(x)
+        f = self._rotary(x)
+        q = apply_rotary(self._heads(layer.q_proj(h)), pos, f).transpose(1, 2)
+        k = apply_rotary(self._heads(layer.k_proj(h)), pos, f).transpose(1, 2)
+        v = self._heads(layer.v_proj(h)).transpose(1, 2)
+        keys = torch.cat([ctx_k.to(q.dtype), k], 2)
+        values = torch.cat([ctx_v.to(q.dtype), v], 2)
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], scale=self.scale)
+        x = x + layer.o_proj(o.transpose(1, 2).flatten(2))
+        add = self.inject(i, "post", x, blocks, read)
+        if add is not None:
+            x = x + add
+        return x + layer.mlp(layer.mlp_norm(x))
+
+    def logits(self, h: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """Backbone logits (before the sequential head's bias)."""
+        return F.linear(self.norm(h), lm_head_weight)
+
+    def seq_bias(self, prev: torch.Tensor) -> torch.Tensor:
+        """The sequential head's rank-r Markov bias [..., vocab] for the previous tokens prev [...]."""
+        return self.seq_v(self.seq_u(prev))
+
+    def confidence(self, h: torch.Tensor, logp_max: torch.Tensor) -> torch.Tensor:
+        """Logit of the probability that a position is accepted given the positions before it."""
+        c = self.conf(self.conf_norm(h)).squeeze(-1)
+        return c + self.conf_logp.to(c.dtype) * logp_max.to(c.dtype)
+
+    # training ---------------------------------------------------------------------------------
+    def block_hidden(self, feat: torch.Tensor, root_emb: torch.Tensor, anchors: torch.Tensor,
+                     read=None) -> torch.Tensor:
+        """Blocks of many anchors of whole sequences at once: h [B, A, P, D].
+
+        feat [B, T, D]: fused target features of the sequence's tokens (context entry s at
+        position s); root_emb [B, A, D]: the embeddings of the anchors' roots; anchors [B, A]:
+        the roots' positions r. Block (b, a) sees the context entries s < r (the tokens the
+        target has consumed when r is the root) and its own block, exactly as when drafting.
+        """
+        B, T, D = feat.shape
+        A, P = anchors.shape[1], self.cfg.block_size
+        dev = feat.device
+        steps = torch.arange(P, device=dev)
+        x = self.block_input(root_emb).reshape(B, A * P, D)
+        pos = (anchors[..., None] + steps).reshape(B, A * P)
+        ctx_pos = torch.arange(T, device=dev).expand(B, T)
+        sees_ctx = (torch.arange(T, device=dev) < anchors[..., None]).repeat_interleave(P, 1)  # [B, A*P, T]
+        block_of = torch.arange(A * P, device=dev) // P
+        sees_block = (block_of[:, None] == block_of[None, :]).expand(B, -1, -1)
+        mask = torch.cat([sees_ctx, sees_block], -1)
+        for i in range(len(self.layers)):
+            k, v = self.context_kv(i, feat, ctx_pos)
+            x = self.layer_forward(i, x, pos, k.transpose(1, 2), v.transpose(1, 2), mask, A, read)
+        return x.reshape(B, A, P, D)
+
+
+# checkpoints -----------------------------------------------------------------------------------
+
+def _classes():
+    from specla.drafters.ready import ReadyConfig, ReadyModel
+
+    return {MODEL_TYPE: (DSparkConfig, DSparkModel), ReadyModel.model_type: (ReadyConfig, ReadyModel)}
+
+
+def save_block_drafter(model: DSparkModel, out_dir, dtype: torch.dtype | None = None) -> Path:
+    """config.json + model.safetensors (the drafter's own weights only)."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CONFIG).write_text(json.dumps({"model_type": model.model_type, **dataclasses.asdict(model.cfg)},
+                                         indent=2) + "\n")
+    sd = {k: (v.to(dtype) if dtype and v.is_floating_point() else v).detach().cpu().contiguous()
+          for k, v in model.state_dict().items()}
+    save_file(sd, str(out / WEIGHTS), metadata={"format": "pt"})
+    return out
+
+
+def read_config(path) -> tuple[str, object]:
+    """(model_type, config) of a block drafter directory."""
+    path = Path(path)
+    try:
+        d = json.loads((path / CONFIG).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read the drafter config in {path}: {e}") from None
+    kind = d.pop("model_type", None)
+    classes = _classes()
+    if kind not in classes:
+        raise CheckpointError(f"{path} is not a specla block drafter (model_type one of {', '.join(classes)} expected)")
+    try:
+        return kind, classes[kind][0](**d)
+    except TypeError as e:
+        raise CheckpointError(f"{path / CONFIG}: {e}") from None
+
+
+def load_block_drafter(path, target: Model | None = None, device="cpu", dtype=torch.float32,
+                       expect: str | None = None) -> DSparkModel:
+    """Load a DSpark or ReaDy drafter directory; with `target`, check it fits and take its device
+    and dtype. `expect`: the model_type required."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    kind, cfg = read_config(path)
+    if expect is not None and kind != expect:
+        raise CheckpointError(f"{path} holds a {kind} drafter, {expect} expected")
+    if target is not None:
+        cfg.check(target.cfg)
+        device, dtype = target.device, target.dtype
+    try:
+        sd = load_file(str(path / WEIGHTS))
+    except OSError as e:
+        raise CheckpointError(f"cannot read drafter weights in {path}: {e}") from None
+    with torch.device("meta"):
+        model = _classes()[kind][1](cfg)
+    expected = model.state_dict()
+    if set(sd) != set(expected):
+        diff = sorted(set(sd) ^ set(expected))
+        raise CheckpointError(f"{path / WEIGHTS} does not match its config (e.g. {diff[0]})")
+    for name, t in expected.items():
+        if tuple(sd[name].shape) != tuple(t.shape):
+            raise CheckpointError(f"drafter weight {name} has shape {tuple(sd[name].shape)}, expected {tuple(t.shape)}")
+    model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}, assign=True)
+    return model.to(device).eval()
+
+
+def find_block_drafter(model_dir, name: str = DSPARK_DIR) -> Path | None:
+    """<model_dir>/<name>/ if it holds a drafter (name: "dspark", "ready", "dspark-ft", ...)."""
+    path = Path(model_dir) / name
+    return path if (path / CONFIG).is_file() and (path / WEIGHTS).is_file() else None
+
+
+# the drafter ----------------------------------------------------------------------------------
+
+class DSparkDrafter(Drafter):
+    """Chains of up to `block` tokens from one block forward per round.
+
+    threshold: cut the block after the last position whose cumulative predicted acceptance is
+    at least this (0: never cut); min_draft: tokens kept whatever the confidence. graphs (CUDA):
+    replay the block forward from a CUDA graph (captured at a generation's first round and
+    again when the context cache grows or the buffers it reads change).
+    """
+
+    name = "dspark"
+
+    def __init__(self, model: DSparkModel, target: Model, threshold: float = 0.0, block: int | None = None,
+                 min_draft: int = 1, graphs: bool = False, initial_capacity: int = 256):
+        P = model.cfg.block_size
+        block = P if block is None else block
+        if not 1 <= block <= P:
+            raise InputError(f"block must be in 1..{P}, got {block}")
+        if not 1 <= min_draft <= block:
+            raise InputError(f"min_draft must be in 1..{block}, got {min_draft}")
+        if not 0.0 <= threshold <= 1.0:
+            raise InputError(f"the confidence threshold must be in [0, 1], got {threshold}")
+        if graphs and target.device.type != "cuda":
+            raise InputError("drafter CUDA graphs need a target on a CUDA device")
+        model.cfg.check(target.cfg)
+        self.model, self.target = model, target
+        self.block, self.threshold, self.min_draft, self.graphs = block, threshold, min_draft, graphs
+        self.max_nodes = block + 1
+        self.capture = tuple(model.cfg.feature_layers)
+        self.initial_capacity = initial_capacity
+        self.reset(1)
+
+    @classmethod
+    def load(cls, path, target: Model, **options) -> "DSparkDrafter":
+        return cls(load_block_drafter(path, target, expect=MODEL_TYPE), target, **options)
+
+    # context cache ----------------------------------------------------------------------------
+    def reset(self, batch: int) -> None:
+        cfg, dev, dt = self.model.cfg, self.target.device, self.target.dtype
+        shape = (batch, cfg.num_heads, self.initial_capacity, cfg.head_dim)
+        self.k = [torch.zeros(shape, device=dev, dtype=dt) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, device=dev, dtype=dt) for _ in range(cfg.num_layers)]
+        self.len = torch.zeros(batch, dtype=torch.long, device=dev)  # consumed tokens (in place)
+        self._bound = 0  # host-side upper bound of max(self.len)
+        self._graph = None
+        self._graph_key = None
+
+    def _reserve(self, extra: int) -> None:
+        cap = self.k[0].shape[2]
+        if self._bound + extra <= cap:
+            return
+        self._bound = int(self.len.max())
+        if self._bound + extra <= cap:
+            return
+        new = max(2 * cap, self._bound + extra)
+        for buf in (self.k, self.v):
+            for i, t in enumerate(buf):
+                grown = t.new_zeros(t.shape[0], t.shape[1], new, t.shape[3])
+                grown[:, :, :cap] = t
+                buf[i] = grown
+        self._graph = None
+
+    @torch.no_grad()
+    def extend(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], length: torch.Tensor) -> None:
+        """One context entry per consumed token (entries past length[b] land past the new length,
+        where later writes replace them)."""
+        m = self.model
+        feat = m.features([hidden[i] for i in self.capture])  # [B, n, D]
+        B, n = feat.shape[:2]
+        if n:
+            self._reserve(n)
+            slots = self.len[:, None] + torch.arange(n, device=feat.device)
+            for i in range(len(m.layers)):
+                k, v = m.context_kv(i, feat, slots)
+                idx = slots[:, None, :, None].expand(B, k.shape[2], n, k.shape[3])
+                self.k[i].scatter_(2, idx, k.transpose(1, 2).to(self.k[i].dtype))
+                self.v[i].scatter_(2, idx, v.transpose(1, 2).to(self.v[i].dtype))
+        self.len.add_(length)
+        self._bound += n
+
+    # drafting ---------------------------------------------------------------------------------
+    def reader(self, cache):
+        """What `inject` reads (ReaDy: the committed states of `cache`); None for DSpark."""
+        return None
+
+    def block_forward(self, root: torch.Tensor, cache=None):
+        """One block forward from roots [B]: (backbone logits [B, P, V], h [B, P, D]). Device work only."""
+        m, tgt = self.model, self.target
+        B, dev, P = root.shape[0], root.device, m.cfg.block_size
+        cap = self.k[0].shape[2]
+        x = m.block_input(tgt.embeddings(root))  # [B, P, D]
+        pos = self.len[:, None] + torch.arange(P, device=dev)
+        sees_ctx = (torch.arange(cap, device=dev)[None] < self.len[:, None])[:, None].expand(B, P, cap)
+        mask = torch.cat([sees_ctx, torch.ones(B, P, P, dtype=torch.bool, device=dev)], -1)
+        read = self.reader(cache)
+        for i in range(len(m.layers)):
+            x = m.layer_forward(i, x, pos, self.k[i], self.v[i], mask, 1, read)
+        return m.logits(x, tgt.lm_head.weight), x
+
+    def draft(self, root: torch.Tensor, cache=None):
+        """The block's greedy tokens [B, block] and how many to keep [B] (no host synchronisation)."""
+        m = self.model
+        logits, h = self.block_forward(root, cache)
+        acc = _acc(logits.dtype)
+        prev, toks, lmax = root, [], []
+        for i in range(self.block):
+            li = (logits[:, i] + m.seq_bias(prev).to(logits.dtype)).to(acc)
+            prev = li.argmax(-1)  # ties: the lowest id, as AR
+            toks.append(prev)
+            lmax.append(li.max(-1).values - torch.logsumexp(li, -1))
+        tokens = torch.stack(toks, 1)
+        conf = torch.sigmoid(m.confidence(h[:, :self.block], torch.stack(lmax, 1)).to(acc))
+        surv = conf.cumprod(1)  # never increases: the kept positions are a prefix
+        keep = (surv >= self.threshold).sum(1).clamp(min=self.min_draft)
+        return tokens, keep
+
+    def _graph_state(self, cache):
+        """What a captured forward depends on besides values updated in place."""
+        return (self.k[0].data_ptr(), self.k[0].shape[2])
+
+    def _replay(self, root: torch.Tensor, cache):
+        key = self._graph_state(cache)
+        if self._graph is None or key != self._graph_key:
+            self._root = root.clone()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):  # warm-up: caches (rotary tables, reader address tables) fill here
+                    self.draft(self._root, cache)
+            torch.cuda.current_stream().wait_stream(side)
+            self._graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self._graph):
+                self._out = self.draft(self._root, cache)
+            self._graph_key = key
+        self._root.copy_(root)
+        self._graph.replay()
+        return self._out
+
+    @torch.no_grad()
+    def propose(self, ctx: DraftContext) -> Draft:
+        dev = self.target.device
+        root = torch.tensor([h[-1] for h in ctx.history], device=dev)
+        tokens, keep = self._replay(root, ctx.cache) if self.graphs else self.draft(root, ctx.cache)
+        keep_host = keep.tolist()  # the round's one host read on the drafter side
+        n = max(keep_host)
+        B = root.shape[0]
+        toks = torch.cat([root[:, None], tokens[:, :n]], 1)
+        parents = torch.arange(-1, n, device=dev).expand(B, n + 1)
+        valid = None if min(keep_host) == n else keep + 1
+        return Draft(toks, parents, valid=valid)
