@@ -49,6 +49,14 @@ def _time_rounds(model, prompt, parents, rounds: int, delayed: bool = True) -> f
     return sorted(times)[len(times) // 2]
 
 
+def _generate(model, make_drafter, graphs: bool, prompt, new_tokens: int):
+    """A timed generation after an untimed one that compiles kernels and captures graphs."""
+    targets: dict = {}
+    drafter = make_drafter() if make_drafter else None
+    Decoder(model, drafter, graphs=graphs, targets=targets).generate(prompt, 8)
+    return Decoder(model, drafter, graphs=graphs, targets=targets).generate(prompt, new_tokens)
+
+
 def _time_ar_steps(model, prompt, steps: int) -> float:
     tgt = GraphTarget(model, 1, len(prompt) + steps + 64, 1, True)
     tgt.prefill(torch.tensor([prompt[:-1]], device=model.device))
@@ -75,11 +83,11 @@ def run(shapes=("gdn-1.3b-paper", "gdn-1.3b-paper-hybrid"), new_tokens: int = 64
         model = random_model(shape, device="cuda", dtype=torch.bfloat16)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         prompt = _prompt(model.cfg.vocab_size, prompt_len)
-        eager = Decoder(model, graphs=False).generate(prompt, new_tokens)
-        graph = Decoder(model, graphs=True).generate(prompt, new_tokens)
+        eager = _generate(model, None, False, prompt, new_tokens)
+        graph = _generate(model, None, True, prompt, new_tokens)
         drafter = lambda: NgramDrafter(length=4, topk=4, budget=16)  # noqa: E731
-        tree_eager = Decoder(model, drafter(), "tree", graphs=False).generate(prompt, new_tokens)
-        tree_graph = Decoder(model, drafter(), "tree", graphs=True).generate(prompt, new_tokens)
+        tree_eager = _generate(model, drafter, False, prompt, new_tokens)
+        tree_graph = _generate(model, drafter, True, prompt, new_tokens)
         parents = beam_tree(4, 4, 16)
         row = {
             "shape": shape, "params": sum(p.numel() for p in model.parameters()),
