@@ -8,7 +8,8 @@ import torch
 from specla.api import DEMO_DIR
 from specla.checkpoint import load_model
 from specla.config import ModelConfig
-from specla.train.target import lr_at, train_target
+from specla.train.loop import lr_at
+from specla.train.target import train_target
 
 
 def _corpus(d):

@@ -38,9 +38,8 @@ import torch.nn as nn
 from specla.drafters.eagle import EagleConfig, EagleDrafterModel, load_drafter, save_drafter
 from specla.model import Model
 from specla.train.dist import setup, wrap
-from specla.train.target import CALIBRATION_STEPS, lr_at
+from specla.train.loop import RunClock
 
-WARM_STEPS = 5  # steps before calibration starts timing (kernel compilation, autotuning)
 
 # --------------------------------------------------------------------------- prompts
 
@@ -397,13 +396,11 @@ def train_drafter(target_dir, out_dir, data, total_steps: int | None = None, tot
         tmp = out / "ckpt.pt.tmp"
         torch.save({"config": dataclasses.asdict(cfg), "model": drafter.state_dict(), "optimizer": opt.state_dict(),
                     "step": step, "train_seconds": train_seconds, "sequences_seen": seqs_seen,
-                    "total_steps": total_steps}, tmp)
+                    "total_steps": clock.total_steps}, tmp)
         tmp.replace(ckpt_path)
 
     drafter.train()
-    run_start = time.time()
-    last_ckpt = run_start
-    run_steps, calibration_start = 0, 0.0
+    clock = RunClock(total_steps, total_minutes, max_minutes, checkpoint_minutes, dev, distributed)
     metrics, evaluated_at = {}, None
 
     def validate() -> dict:
@@ -416,14 +413,11 @@ def train_drafter(target_dir, out_dir, data, total_steps: int | None = None, tot
         return result
 
     bar = tqdm(total=total_steps, initial=step, desc="train drafter", unit="step", disable=not (progress and main))
-    stop = False
-    while not stop:
-        if total_steps is not None and step >= total_steps:
-            break
+    while not clock.finished(step):
         t0 = time.time()
         tokens, valid = (t.to(dev, non_blocking=True) for t in train.get(step))
         hidden, emb, logp = target_side(target, tokens, cfg.feature_layers)
-        cur_lr = lr_at(step, total_steps or 10**9, lr, warmup)
+        cur_lr = clock.lr(step, lr, warmup)
         for grp in opt.param_groups:
             grp["lr"] = cur_lr
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
@@ -433,22 +427,12 @@ def train_drafter(target_dir, out_dir, data, total_steps: int | None = None, tot
         gnorm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         opt.step()
         step += 1
-        run_steps += 1
         seqs_seen += batch_size * world
-        if dev.type == "cuda" and (step % 10 == 0 or run_steps in (WARM_STEPS, WARM_STEPS + CALIBRATION_STEPS)):
+        if dev.type == "cuda" and (step % 10 == 0 or clock.timing_step()):
             torch.cuda.synchronize()
         train_seconds += time.time() - t0
-        if total_steps is None and run_steps == WARM_STEPS:
-            calibration_start = train_seconds
-        if total_steps is None and run_steps == WARM_STEPS + CALIBRATION_STEPS:
-            # fix the schedule so the remaining budget is spent at the pace measured after
-            # the first steps (which include compiling the kernels)
-            per_step = (train_seconds - calibration_start) / CALIBRATION_STEPS
-            est = torch.tensor([step + int(max(0.0, total_minutes * 60 - train_seconds) / per_step)], device=dev)
-            if distributed:
-                torch.distributed.broadcast(est, 0)
-            total_steps = int(est.item())
-            bar.total = total_steps
+        if clock.step_done(step, train_seconds):
+            bar.total = clock.total_steps
         bar.update(1)
         if main and step % log_every == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{top1[0].item():.3f}")
@@ -457,14 +441,12 @@ def train_drafter(target_dir, out_dir, data, total_steps: int | None = None, tot
                                   "train_seconds": round(train_seconds, 1)}) + "\n")
         if step % eval_every == 0:
             metrics = validate()
-        flag = torch.tensor([time.time() - run_start > max_minutes * 60], device=dev)
-        if distributed:  # every rank must stop at the same step
-            torch.distributed.broadcast(flag, 0)
-        stop = bool(flag.item())
-        if time.time() - last_ckpt > checkpoint_minutes * 60:
+        if clock.checkpoint_due():
             save()
-            last_ckpt = time.time()
+        if clock.out_of_time():
+            break
     bar.close()
+    total_steps = clock.total_steps
     if evaluated_at != step:  # every run ends with a validation
         metrics = validate()
     save()

@@ -1,10 +1,8 @@
 """Pretraining of a pure-GDN target (`specla train target`).
 
 Resumable: a run trains for at most `max_minutes`, then writes `ckpt.pt` (weights, optimiser,
-step, schedule) and exits; the same command continues from it. The LR schedule (warmup, then
-cosine to 10%) spans `total_steps`; if that is not given, it is fixed after a short
-calibration so that the whole schedule fits `total_minutes` of training, and stored in the
-checkpoint. Several GPUs: launch the same command under torchrun (DDP, one process a GPU).
+step, schedule) and exits; the same command continues from it (`specla.train.loop` holds the
+schedule and the clock). Several GPUs: the same command under torchrun (DDP).
 """
 
 from __future__ import annotations
@@ -23,9 +21,7 @@ import torch.nn.functional as F
 from specla.config import ModelConfig
 from specla.model import Model
 from specla.train.dist import setup, wrap
-
-CALIBRATION_STEPS = 30
-
+from specla.train.loop import RunClock
 
 def demo_config(tokenizer) -> ModelConfig:
     """The shipped demo target: depth over width within the 28 MB budget (DESIGN §9)."""
@@ -63,13 +59,6 @@ def _param_groups(model: Model, weight_decay: float):
     for name, p in model.named_parameters():
         (decay if p.dim() >= 2 and "embeddings" not in name else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    t = min(1.0, (step - warmup) / max(1, total - warmup))
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
 def train_target(out_dir, corpus_dir, tokenizer_dir, config: ModelConfig | None = None, total_steps: int | None = None,
@@ -147,20 +136,16 @@ def train_target(out_dir, corpus_dir, tokenizer_dir, config: ModelConfig | None 
         tmp = out / "ckpt.pt.tmp"
         torch.save({"config": dataclasses.asdict(cfg), "model": model.state_dict(), "optimizer": opt.state_dict(),
                     "step": step, "train_seconds": train_seconds, "tokens_seen": tokens_seen,
-                    "total_steps": total_steps}, tmp)
+                    "total_steps": clock.total_steps}, tmp)
         tmp.replace(ckpt_path)
 
     model.train()
-    run_start = time.time()
-    last_ckpt = run_start
+    clock = RunClock(total_steps, total_minutes, max_minutes, checkpoint_minutes, dev, distributed)
     bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not (progress and main))
-    stop = False
-    while not stop:
-        if total_steps is not None and step >= total_steps:
-            break
+    while not clock.finished(step):
         t0 = time.time()
         batch = train.get(step).to(dev, non_blocking=True)
-        cur_lr = lr_at(step, total_steps or 10**9, lr, warmup)
+        cur_lr = clock.lr(step, lr, warmup)
         for grp in opt.param_groups:
             grp["lr"] = cur_lr
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
@@ -171,39 +156,31 @@ def train_target(out_dir, corpus_dir, tokenizer_dir, config: ModelConfig | None 
         opt.step()
         step += 1
         tokens_seen += batch_size * seq_len * world
-        if dev.type == "cuda" and (step % 10 == 0 or step == CALIBRATION_STEPS):
+        if dev.type == "cuda" and (step % 10 == 0 or clock.timing_step()):
             torch.cuda.synchronize()
         train_seconds += time.time() - t0
-        if total_steps is None and step == CALIBRATION_STEPS:
-            # fix the schedule so the remaining budget is spent at the measured pace
-            per_step = train_seconds / step
-            est = torch.tensor([int(total_minutes * 60 / per_step)], device=dev)
-            if distributed:
-                torch.distributed.broadcast(est, 0)
-            total_steps = int(est.item())
-            bar.total = total_steps
+        if clock.step_done(step, train_seconds):
+            bar.total = clock.total_steps
         bar.update(1)
         if main and step % log_every == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{cur_lr:.2e}")
             log.write(json.dumps({"step": step, "loss": round(loss.item(), 4), "lr": cur_lr,
                                   "grad_norm": round(float(gnorm), 3), "tokens": tokens_seen,
                                   "train_seconds": round(train_seconds, 1)}) + "\n")
-        if step % eval_every == 0 or (total_steps is not None and step >= total_steps):
+        if step % eval_every == 0 or clock.finished(step):
             vl = evaluate()
             if main:
                 log.write(json.dumps({"step": step, "val_loss": round(vl, 4), "tokens": tokens_seen,
                                       "train_seconds": round(train_seconds, 1)}) + "\n")
                 log.flush()
-        if time.time() - last_ckpt > checkpoint_minutes * 60:
+        if clock.checkpoint_due():
             save()
-            last_ckpt = time.time()
-        flag = torch.tensor([time.time() - run_start > max_minutes * 60], device=dev)
-        if distributed:  # every rank must stop at the same step
-            torch.distributed.broadcast(flag, 0)
-        stop = bool(flag.item())
+        if clock.out_of_time():
+            break
     bar.close()
     save()
-    finished = total_steps is not None and step >= total_steps
+    total_steps = clock.total_steps
+    finished = clock.finished(step)
     summary = {"step": step, "total_steps": total_steps, "finished": finished, "tokens_seen": tokens_seen,
                "train_seconds": round(train_seconds, 1), "wall_seconds": round(time.time() - t_start, 1)}
     if main:

@@ -1,0 +1,76 @@
+"""Time-bounded, resumable training runs: the schedule, the clock and the stopping rule.
+
+A run trains for at most `max_minutes`, then checkpoints and exits; the same command resumes.
+When the schedule length is not given, it is fixed after measuring the pace over
+CALIBRATION_STEPS steps (after WARM_STEPS that include kernel compilation), so that the whole
+schedule spans `total_minutes` of training. Under DDP every decision comes from rank 0.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+WARM_STEPS = 5
+CALIBRATION_STEPS = 30
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    """Linear warmup, then cosine from the peak down to 10% of it at `total`."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    t = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+class RunClock:
+    def __init__(self, total_steps: int | None, total_minutes: float, max_minutes: float,
+                 checkpoint_minutes: float, device: torch.device, distributed: bool):
+        self.total_steps = total_steps
+        self.total_minutes, self.max_minutes, self.checkpoint_minutes = total_minutes, max_minutes, checkpoint_minutes
+        self.device, self.distributed = device, distributed
+        self.start = self.last_checkpoint = time.time()
+        self.run_steps = 0
+        self.calibration_start = 0.0
+
+    def _from_rank0(self, value: torch.Tensor) -> torch.Tensor:
+        if self.distributed:
+            torch.distributed.broadcast(value, 0)
+        return value
+
+    def lr(self, step: int, peak: float, warmup: int) -> float:
+        return lr_at(step, self.total_steps or 10**9, peak, warmup)
+
+    def timing_step(self) -> bool:
+        """Whether the step about to finish is one the calibration times exactly (sync first)."""
+        return self.run_steps + 1 in (WARM_STEPS, WARM_STEPS + CALIBRATION_STEPS)
+
+    def step_done(self, step: int, train_seconds: float) -> bool:
+        """Count a finished step; True when it just fixed the schedule length."""
+        self.run_steps += 1
+        if self.total_steps is not None:
+            return False
+        if self.run_steps == WARM_STEPS:
+            self.calibration_start = train_seconds
+        elif self.run_steps == WARM_STEPS + CALIBRATION_STEPS:
+            per_step = (train_seconds - self.calibration_start) / CALIBRATION_STEPS
+            left = max(0.0, self.total_minutes * 60 - train_seconds)
+            est = torch.tensor([step + int(left / per_step)], device=self.device)
+            self.total_steps = int(self._from_rank0(est).item())
+            return True
+        return False
+
+    def finished(self, step: int) -> bool:
+        return self.total_steps is not None and step >= self.total_steps
+
+    def out_of_time(self) -> bool:
+        flag = torch.tensor([time.time() - self.start > self.max_minutes * 60], device=self.device)
+        return bool(self._from_rank0(flag).item())  # every rank stops at the same step
+
+    def checkpoint_due(self) -> bool:
+        if time.time() - self.last_checkpoint > self.checkpoint_minutes * 60:
+            self.last_checkpoint = time.time()
+            return True
+        return False
