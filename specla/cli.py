@@ -60,7 +60,8 @@ def generate(
         typer.echo(json.dumps(lm.generate(prompt, **kwargs).to_dict()))
         return
     out = lm.generate(prompt, on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()), **kwargs)
-    typer.echo("")
+    sys.stdout.write("\n")
+    sys.stdout.flush()
     typer.secho(f"[{out.route}] {len(out.tokens)} tokens in {out.decode_seconds:.2f} s, "
                 f"{out.tokens_per_second:.1f} tokens/s, mean accepted length {out.mean_accepted_length:.2f} "
                 f"over {out.rounds} rounds ({out.stop_reason})", err=True, dim=True)
