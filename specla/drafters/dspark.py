@@ -344,6 +344,12 @@ class DSparkDrafter(Drafter):
 
     # context cache ----------------------------------------------------------------------------
     def reset(self, batch: int) -> None:
+        """Start a generation: the cache empties in place when the batch size is unchanged (its
+        buffers, and a captured graph, are reused across generations)."""
+        if getattr(self, "len", None) is not None and self.len.shape[0] == batch:
+            self.len.zero_()
+            self._bound = 0
+            return
         cfg, dev, dt = self.model.cfg, self.target.device, self.target.dtype
         shape = (batch, cfg.num_heads, self.initial_capacity, cfg.head_dim)
         self.k = [torch.zeros(shape, device=dev, dtype=dt) for _ in range(cfg.num_layers)]

@@ -177,7 +177,7 @@ def find_ready(model_dir) -> "Path | None":  # noqa: F821
 class ReadyDrafter(DSparkDrafter):
     """`DSparkDrafter` whose blocks read the target's committed states (`ctx.cache`).
 
-    trace: a list to which every read appends (queries, reads, sqnorm) — for tests.
+    trace: a list to which every read appends (queries, value map, reads, sqnorm) — for tests.
     """
 
     name = "ready"
@@ -208,7 +208,7 @@ class ReadyDrafter(DSparkDrafter):
                 if p is not None:
                     p[3].zero_()
             if self.trace is not None:
-                self.trace.append((q.detach().clone(), reads.detach().clone(), sqn.detach().clone()))
+                self.trace.append(tuple(None if t is None else t.detach().clone() for t in (q, value_map, reads, sqn)))
             return reads, sqn
 
         return read

@@ -1,0 +1,356 @@
+"""`specla bench ready`: ReaDy vs DSpark (ReaDy Table 1-6, Fig. 4-5) on the demo target.
+
+    python -m specla.bench.ready                        # GPU: benchmarks/results/ready.{json,png}
+    python -m specla.bench.ready --device cpu --quick   # smoke test (random drafters if none trained)
+
+Rows per suite (`mixed`: the 480-prompt EAGLE suite, `gsm8k` test, `humaneval`): `ar`,
+`dspark`, `dspark_ft` (the fine-tuned control) and `ready`, plus any `--variant NAME=DIR`
+(ablations: reader rank, source layers, injection layers/site — train them with the options of
+`specla.train.block_drafter`). Every prompt (first user turn, chat template) is generated once per
+row, greedy, up to `max_new_tokens`; for each row:
+
+- `tps`: generated tokens / decode seconds (prefill excluded), summed over the suite's prompts;
+- `speedup`: tps / AR's tps on the same prompts;
+- `mean_accepted_length` (τ): tokens emitted per verification round, the target-supplied one
+  included (pooled over rounds);
+- `survival[j-1]`, j = 1..7: the fraction of fully observable blocks (all 7 proposals verified:
+  not cut by the confidence threshold, not truncated by the end of generation) whose first j
+  proposals were all accepted (ReaDy Fig. 5; cumulative, not conditional);
+- `exact_match_rate`: outputs equal to AR's (bf16 kernels round differently; float64 tests prove
+  exactness), `first_token_match`.
+
+`operator` times the state reader alone at the demo shape and a Qwen3-Next-like one (HV 32,
+dk = dv = 128), in CUDA-graph replay (`triton.testing.do_bench`, median): the unfused path —
+flush each source layer (`ops.gdn_commit`), gather the states (`torch.stack`), read with dense
+ops (einsum, value map, norms) — against the fused kernel (`ops.reader.triton.state_read`),
+with and without a pending update (ReaDy Fig. 3-4).
+
+JSON (`write_results("ready", ...)`): device, versions, commit, date, config, suites.{suite}.{row}
+with prompts / tps / speedup / mean_accepted_length / survival / ..., operator, drafters (which
+directories, or "random" in quick mode), bench_seconds. A JSONL log of finished generations
+next to the results lets a run cut short resume.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from specla.bench.common import RESULTS, write_results
+
+SUITES = ("mixed", "gsm8k", "humaneval")
+ROWS = ("dspark", "dspark_ft", "ready")
+DIRS = {"dspark": "dspark", "dspark_ft": "dspark-ft", "ready": "ready"}
+P = 7
+
+
+def _pick(prompts: list, n: int | None) -> list:
+    """n prompts spread evenly over the suite (the mixed suite is ordered by category)."""
+    if n is None or n >= len(prompts):
+        return prompts
+    return [prompts[int(i * len(prompts) / n)] for i in range(n)]
+
+
+def _drafter(row: str, path, target, graphs: bool, threshold: float, quick: bool):
+    from specla.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel, load_block_drafter
+    from specla.drafters.ready import ReadyConfig, ReadyDrafter, ReadyModel
+
+    if path is None:  # quick smoke without trained drafters: random weights
+        torch.manual_seed(0)
+        m = ReadyModel(ReadyConfig.for_target(target.cfg)) if row == "ready" else \
+            DSparkModel(DSparkConfig.for_target(target.cfg))
+        m = m.to(device=target.device, dtype=target.dtype).eval()
+    else:
+        m = load_block_drafter(path, target)
+    cls = ReadyDrafter if isinstance(m, ReadyModel) else DSparkDrafter
+    return cls(m, target, threshold=threshold, graphs=graphs)
+
+
+def _summary(recs: dict, ar: dict) -> dict:
+    ids = sorted(set(recs) & set(ar))
+    if not ids:
+        return {"prompts": 0}
+    toks = sum(len(recs[i]["tokens"]) for i in ids)
+    secs = sum(recs[i]["seconds"] for i in ids)
+    ar_tps = sum(len(ar[i]["tokens"]) for i in ids) / max(sum(ar[i]["seconds"] for i in ids), 1e-12)
+    tps = toks / max(secs, 1e-12)
+    out = {"prompts": len(ids), "tokens": toks, "decode_seconds": round(secs, 4), "tps": tps, "speedup": tps / ar_tps}
+    rounds = [r for i in ids for r in recs[i].get("rounds", [])]  # (drafted, accepted, emitted)
+    if rounds:
+        out["mean_accepted_length"] = sum(r[2] for r in rounds) / len(rounds)
+        full = [r for r in rounds if r[0] == P and r[2] == r[1] + 1]  # every proposal verified, nothing cut
+        out["full_blocks"] = len(full)
+        out["survival"] = [sum(r[1] >= j for r in full) / max(len(full), 1) for j in range(1, P + 1)]
+        ftm = [f for i in ids for f in recs[i].get("ftm", []) if f is not None]
+        out["first_token_match"] = sum(ftm) / len(ftm) if ftm else None
+    else:
+        out["mean_accepted_length"] = 1.0
+    out["exact_match_rate"] = sum(recs[i]["tokens"] == ar[i]["tokens"] for i in ids) / len(ids)
+    return out
+
+
+def _record(res, spec: bool) -> dict:
+    rec = {"tokens": res.tokens, "seconds": res.decode_seconds}
+    if spec:  # (drafted, accepted, emitted) per round
+        rec["rounds"] = [(r.drafted, r.accepted, r.emitted) for r in res.rounds]
+        rec["ftm"] = [r.first_token_match for r in res.rounds]
+    return rec
+
+
+def decode_section(lm, drafters: dict, suites, n_prompts, max_new_tokens: int, graphs: bool, delayed: bool,
+                   log_path: Path, deadline: float | None, progress: bool) -> dict:
+    from tqdm import tqdm
+
+    from specla.data.suites import load_suite
+    from specla.decode import Decoder
+
+    model = lm.model
+    eos = lm.tokenizer.eos_token_ids | set(model.cfg.eos_token_id)
+    done: dict = {}
+    if log_path.is_file():  # resume
+        for line in log_path.read_text().splitlines():
+            r = json.loads(line)
+            done.setdefault(r["suite"], {}).setdefault(r["row"], {})[r["id"]] = r
+    log = open(log_path, "a")
+
+    def decoder(row):
+        return Decoder(model, drafters.get(row), route="ar" if row == "ar" else "ready", eos_token_ids=eos,
+                       graphs=graphs, delayed=delayed)
+
+    warm = lm.encode_prompt("Hello! Count to five.")
+    for row in ["ar", *drafters]:  # captures graphs and compiles kernels outside the timed runs
+        decoder(row).generate(warm, 16)
+    complete = True
+    for suite in suites:
+        prompts = _pick(load_suite(suite), n_prompts)
+        bar = tqdm(prompts, desc=f"ready bench {suite}", disable=not progress)
+        for p in bar:
+            ids = lm.encode_prompt(p.turns[0])
+            for row in ["ar", *drafters]:
+                if p.id in done.get(suite, {}).get(row, {}):
+                    continue
+                if deadline is not None and time.time() > deadline:
+                    complete = False
+                    break
+                res = decoder(row).generate(ids, max_new_tokens)
+                rec = {"suite": suite, "row": row, "id": p.id, **_record(res, row != "ar")}
+                done.setdefault(suite, {}).setdefault(row, {})[p.id] = rec
+                log.write(json.dumps(rec) + "\n")
+                log.flush()
+    log.close()
+    out = {}
+    for suite in suites:
+        recs = done.get(suite, {})
+        ar = recs.get("ar", {})
+        out[suite] = {"ar": {**_summary(ar, ar), "mean_accepted_length": 1.0}}
+        for row in drafters:
+            out[suite][row] = _summary(recs.get(row, {}), ar)
+    return {"suites": out, "complete": complete}
+
+
+# operator latency ------------------------------------------------------------------------------
+
+def _time(fn, cuda: bool, reps: int) -> float:
+    """Median µs of fn: CUDA-graph replay under do_bench on GPU, wall clock elsewhere."""
+    if cuda:
+        import triton.testing
+
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return triton.testing.do_bench(g.replay, warmup=25, rep=200, return_mode="median") * 1e3
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[len(ts) // 2] * 1e6
+
+
+def operator_section(device: torch.device, quick: bool) -> list[dict]:
+    from specla import ops
+    from specla.ops.reader import triton as reader_triton
+
+    cuda = device.type == "cuda"
+    shapes = [("demo", 4, 64, 64), ("qwen3-next-like", 32, 128, 128)] if not quick else [("tiny", 2, 16, 16)]
+    rows = []
+    for name, HV, K, V in shapes:
+        L, NQ, R, Pw = 2, P, 8, P + 1
+        g = torch.Generator(device=device).manual_seed(0)
+        r = lambda *s: torch.randn(*s, device=device, generator=g)  # noqa: E731
+        states = [r(1, HV, K, V) for _ in range(L)]
+        pend = [(torch.nn.functional.normalize(r(1, Pw, HV, K), dim=-1), -torch.rand(1, Pw, HV, device=device) * 0.1,
+                 r(1, Pw, HV, V) * 0.1, torch.full((1,), Pw, dtype=torch.long, device=device)) for _ in range(L)]
+        q = r(1, NQ, L, HV, K).to(torch.bfloat16 if cuda else torch.float32)
+        W = r(L, V, R)
+        path = torch.arange(Pw, device=device)[None]
+
+        def flush():
+            for S, (pk, pg, pu, plen) in zip(states, pend):
+                ops.gdn_commit(S, pk, pg, pu, path, plen)
+
+        def gather():
+            return torch.stack(states, 1)
+
+        def read(St):
+            rd = torch.einsum("bplhk,blhkv->bplhv", q.float(), St)
+            return torch.einsum("bplhv,lvr->bplhr", rd, W), St.square().sum((-2, -1))
+
+        def unfused():
+            read(gather())
+            flush()
+
+        reps = 3 if quick else 50
+        row = {"shape": name, "L": L, "HV": HV, "K": K, "V": V, "queries": NQ, "rank": R, "pending": Pw,
+               "flush_us": _time(flush, cuda, reps), "gather_us": _time(gather, cuda, reps),
+               "read_us": _time(lambda: read(torch.stack(states, 1)), cuda, reps),
+               "unfused_us": _time(unfused, cuda, reps),
+               "fused_us": _time(lambda: reader_triton.state_read(states, pend, q, W), cuda, reps),
+               "fused_no_pending_us": _time(lambda: reader_triton.state_read(states, [None] * L, q, W), cuda, reps),
+               "state_bytes": L * HV * K * V * 4}
+        row["read_only_us"] = row["read_us"] - row["gather_us"]
+        row["reduction"] = 1 - row["fused_us"] / row["unfused_us"]
+        row["read_reduction"] = 1 - row["fused_no_pending_us"] / row["read_us"]
+        rows.append(row)
+    return rows
+
+
+def _plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    suites = [s for s in result.get("suites", {})]
+    fig, axes = plt.subplots(1, max(len(suites), 1), figsize=(4.2 * max(len(suites), 1), 3.4), squeeze=False)
+    for ax, suite in zip(axes[0], suites):
+        for row, stats in result["suites"][suite].items():
+            if "survival" in stats:
+                ax.plot(range(1, P + 1), stats["survival"], marker="o", label=f"{row} (τ {stats['mean_accepted_length']:.2f})")
+        ax.set_title(suite)
+        ax.set_xlabel("draft position j")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("blocks with the first j accepted")
+    fig.suptitle("draft-prefix survival (fully observable blocks)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(target=None, dspark=None, dspark_ft=None, ready=None, variants: dict | None = None,
+        suites=SUITES, n_prompts: int | None = 80, max_new_tokens: int = 256, device: str = "cuda",
+        dtype: str = "auto", graphs: bool | None = None, threshold: float = 0.0, delayed: bool = True,
+        operator: bool = True, quick: bool = False, max_minutes: float | None = None, out_dir=RESULTS,
+        progress: bool = True) -> dict:
+    """Run the benchmark; returns (and writes) the result dict. Drafter directories default to
+    <target>/dspark, <target>/dspark-ft, <target>/ready; missing ones are skipped (quick mode:
+    random drafters instead, so the smoke test runs anywhere)."""
+    import specla.api as api
+    from specla.drafters.dspark import find_block_drafter
+
+    t0 = time.time()
+    if str(device).startswith("cpu"):
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernel modules are imported
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if quick:
+        n_prompts, max_new_tokens = min(n_prompts or 1, 1), min(max_new_tokens, 16)
+    lm = api.load(target, device=device, dtype=dtype)
+    dev = lm.model.device
+    graphs = dev.type == "cuda" if graphs is None else graphs
+    stem = "ready" if dev.type == "cuda" else "ready_cpu_smoke"
+    paths = {"dspark": dspark, "dspark_ft": dspark_ft, "ready": ready}
+    used, drafters = {}, {}
+    for row in ROWS:
+        path = paths[row] or find_block_drafter(lm.model_dir, DIRS[row])
+        if path is None and not quick:
+            continue
+        drafters[row] = _drafter(row, path, lm.model, graphs, threshold, quick)
+        used[row] = str(path) if path else "random"
+    for name, path in (variants or {}).items():
+        drafters[name] = _drafter(name, path, lm.model, graphs, threshold, quick)
+        used[name] = str(path)
+    result = {"config": {"target": str(lm.model_dir), "dtype": str(lm.model.dtype), "n_prompts": n_prompts,
+                         "max_new_tokens": max_new_tokens, "graphs": graphs, "threshold": threshold,
+                         "delayed": delayed, "block_size": P, "quick": quick},
+              "drafters": used}
+    deadline = t0 + max_minutes * 60 if max_minutes else None
+    try:
+        result.update(decode_section(lm, drafters, suites, n_prompts, max_new_tokens, graphs, delayed,
+                                     out / f"{stem}_log.jsonl", deadline, progress))
+    except Exception:  # noqa: BLE001 - the other sections still run
+        result["decode_error"] = traceback.format_exc()
+    if operator:
+        try:
+            if dev.type != "cuda":
+                from specla import ops
+
+                with ops.backend("triton"):  # the interpreter on CPU
+                    result["operator"] = operator_section(dev, True)
+            else:
+                result["operator"] = operator_section(dev, quick)
+        except Exception:  # noqa: BLE001
+            result["operator_error"] = traceback.format_exc()
+    result["bench_seconds"] = round(time.time() - t0, 1)
+    write_results(stem, result, out)
+    if result.get("suites"):
+        try:
+            _plot(result, out / f"{stem}.png")
+        except Exception:  # noqa: BLE001
+            result["plot_error"] = traceback.format_exc()
+    _print(result)
+    return result
+
+
+def _print(result: dict) -> None:
+    for suite, rows in result.get("suites", {}).items():
+        for row, s in rows.items():
+            if s.get("prompts"):
+                print(f"{suite:10s} {row:12s} tps {s['tps']:8.1f}  x AR {s['speedup']:5.2f}  "
+                      f"tau {s['mean_accepted_length']:5.2f}  exact {s['exact_match_rate']:.2f}")
+    for r in result.get("operator", []):
+        print(f"operator {r['shape']:16s} unfused {r['unfused_us']:9.1f} us  fused {r['fused_us']:9.1f} us  "
+              f"(-{100 * r['reduction']:.1f}%)")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default=None)
+    ap.add_argument("--dspark", default=None)
+    ap.add_argument("--dspark-ft", default=None)
+    ap.add_argument("--ready", default=None)
+    ap.add_argument("--variant", action="append", default=[], help="NAME=DIR: another trained drafter row (ablations)")
+    ap.add_argument("--suites", default=",".join(SUITES))
+    ap.add_argument("--n-prompts", type=int, default=80)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--threshold", type=float, default=0.0)
+    ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--immediate-commit", action="store_true")
+    ap.add_argument("--no-operator", action="store_true")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--max-minutes", type=float, default=None)
+    ap.add_argument("--out", default=str(RESULTS))
+    a = ap.parse_args(argv)
+    run(a.target, a.dspark, a.dspark_ft, a.ready, dict(v.split("=", 1) for v in a.variant),
+        tuple(s for s in a.suites.split(",") if s), a.n_prompts, a.max_new_tokens, a.device,
+        graphs=False if a.no_graphs else None, threshold=a.threshold, delayed=not a.immediate_commit,
+        operator=not a.no_operator, quick=a.quick, max_minutes=a.max_minutes, out_dir=a.out)
+
+
+if __name__ == "__main__":
+    main()
