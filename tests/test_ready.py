@@ -263,7 +263,7 @@ def test_two_stage_training(tmp_path):
     for name, t in base.state_dict().items():
         assert torch.equal(rsd[name], t), name
     assert any(not torch.equal(t, torch.zeros_like(t)) for n, t in rsd.items() if n.endswith("out.weight"))
-    with pytest.raises(ValueError, match="stage"):
+    with pytest.raises(InputError, match="stage"):
         train_block_drafter(tgt, tmp_path / "r1", data, kind="ready", stage=2, total_steps=3, **kw)
     # stage 2: everything trains; the control gets the same fine-tuning without a reader
     s2 = train_block_drafter(tgt, tmp_path / "r2", data, kind="ready", stage=2, init_from=tmp_path / "r1" / "export",

@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from specla.drafters.dspark import (MODEL_TYPE as DSPARK_TYPE, DSparkConfig, DSparkModel, load_block_drafter,
                                     read_config, save_block_drafter)
 from specla.drafters.ready import MODEL_TYPE as READY_TYPE, ReadyConfig, ReadyModel
+from specla.errors import InputError
 from specla.model import GatedDeltaNet, Model
 from specla.ops.conv import naive as conv_ref
 from specla.ops.reader import naive as reader_ref
@@ -286,14 +287,14 @@ def _build(kind: str, stage: int, target: Model, init_from, ckpt, reader_options
     if kind == "dspark" and init_from is None:
         return DSparkModel(DSparkConfig.for_target(target.cfg, **dspark_options))
     if init_from is None:
-        raise ValueError(f"kind {kind!r} (stage {stage}) starts from a trained drafter: pass init_from")
+        raise InputError(f"kind {kind!r} (stage {stage}) starts from a trained drafter: pass init_from")
     base = load_block_drafter(init_from, device="cpu", dtype=torch.float32)
     if kind == "ready" and not isinstance(base, ReadyModel):
         if stage != 1:
-            raise ValueError("ReaDy stage 2 starts from a stage-1 ReaDy export, not a DSpark one")
+            raise InputError("ReaDy stage 2 starts from a stage-1 ReaDy export, not a DSpark one")
         base = ReadyModel.from_dspark(base, target.cfg, **reader_options)
     if kind in ("dspark", "dspark-ft") and isinstance(base, ReadyModel):
-        raise ValueError(f"kind {kind!r} starts from a DSpark export, got a ReaDy one")
+        raise InputError(f"kind {kind!r} starts from a DSpark export, got a ReaDy one")
     return base
 
 
@@ -321,9 +322,9 @@ def train_block_drafter(target_dir, out_dir, data, kind: str = "dspark", init_fr
     from specla.checkpoint import load_model
 
     if kind not in KINDS:
-        raise ValueError(f"unknown kind {kind!r}; choose one of {', '.join(KINDS)}")
+        raise InputError(f"unknown kind {kind!r}; choose one of {', '.join(KINDS)}")
     if stage not in (1, 2):
-        raise ValueError(f"stage must be 1 or 2, got {stage}")
+        raise InputError(f"stage must be 1 or 2, got {stage}")
     scratch = kind == "dspark"
     stage = 0 if scratch else 2 if kind == "dspark-ft" else stage  # 0: not an adaptation stage
     t_start = time.time()
@@ -348,7 +349,7 @@ def train_block_drafter(target_dir, out_dir, data, kind: str = "dspark", init_fr
     counters = {"step": 0, "train_seconds": 0.0, "sequences_seen": 0, "total_steps": None}
     if ckpt is not None:
         if (ckpt["kind"], ckpt["stage"]) != (kind, stage):
-            raise ValueError(f"{out} holds a {ckpt['kind']} stage-{ckpt['stage']} run; asked for {kind} stage {stage}")
+            raise InputError(f"{out} holds a {ckpt['kind']} stage-{ckpt['stage']} run; asked for {kind} stage {stage}")
     elif init_from is not None:
         state = json.loads((Path(init_from) / "training_state.json").read_text()) \
             if (Path(init_from) / "training_state.json").is_file() else {}
@@ -496,3 +497,40 @@ def train_block_drafter(target_dir, out_dir, data, kind: str = "dspark", init_fr
     if distributed:
         torch.distributed.destroy_process_group()
     return summary
+
+
+def main(argv=None) -> None:
+    """`python -m specla.train.block_drafter ...` (the same options as `train_block_drafter`)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Train a parallel block drafter (DSpark, ReaDy, the DSpark-FT control).")
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--kind", default="dspark", choices=KINDS)
+    ap.add_argument("--stage", type=int, default=1)
+    ap.add_argument("--init-from", default=None)
+    ap.add_argument("--total-steps", type=int, default=None)
+    ap.add_argument("--total-minutes", type=float, default=8.0)
+    ap.add_argument("--max-minutes", type=float, default=8.0)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--seq-len", type=int, default=768)
+    ap.add_argument("--anchors", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=None)
+    ap.add_argument("--source-layers", default=None, help="comma-separated target GDN layers")
+    ap.add_argument("--reader-rank", default=None, help="an integer or 'full'")
+    ap.add_argument("--inject-layers", default=None, help="comma-separated draft layers")
+    ap.add_argument("--inject-site", default=None, choices=("pre", "post"))
+    ap.add_argument("--device", default="auto")
+    a = ap.parse_args(argv)
+    ints = lambda s: [int(x) for x in s.split(",")] if s else None  # noqa: E731
+    rank = a.reader_rank if a.reader_rank in (None, "full") else int(a.reader_rank)
+    print(json.dumps(train_block_drafter(
+        a.target, a.out, a.data, kind=a.kind, init_from=a.init_from, stage=a.stage, total_steps=a.total_steps,
+        total_minutes=a.total_minutes, max_minutes=a.max_minutes, batch_size=a.batch_size, seq_len=a.seq_len,
+        anchors=a.anchors, lr=a.lr, source_layers=ints(a.source_layers), reader_rank=rank,
+        inject_layers=ints(a.inject_layers), inject_site=a.inject_site, device=a.device)))
+
+
+if __name__ == "__main__":
+    main()
