@@ -27,7 +27,7 @@ from specla.model import Model
 from specla.topology import as_parents
 
 DEMO_DIR = Path(__file__).parent / "models" / "demo"
-ROUTES = ("ar", "chain", "tree", "fla", "mtp")
+ROUTES = ("ar", "chain", "tree", "fla", "mtp", "dspark", "ready")
 DRAFTERS = ("auto", "eagle", "ngram")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64, "fp64": torch.float64}
@@ -162,6 +162,16 @@ class SpecLA:
             return NgramDrafter(length=chain_length, topk=1)
         if route == "tree":
             return NgramDrafter(length=max(1, tree_budget // tree_topk), topk=tree_topk, budget=tree_budget)
+        if route in ("dspark", "ready"):  # parallel block drafters (docs/ready.md): <model>/dspark/, <model>/ready/
+            from specla.drafters.dspark import DSparkDrafter, find_block_drafter
+            from specla.drafters.ready import ReadyDrafter
+
+            path = find_block_drafter(self.model_dir, route)
+            if path is None:
+                raise InputError(f"{self.model_dir} has no {route}/ directory (train one with "
+                                 f"`specla train block-drafter --kind {route}`)")
+            cls = DSparkDrafter if route == "dspark" else ReadyDrafter
+            return cls.load(path, self.model, block=min(chain_length, 7), graphs=self.model.device.type == "cuda")
         from specla.drafters.mtp import MTPDrafter
 
         return MTPDrafter.from_checkpoint(self.model_dir, self.model, length=chain_length)

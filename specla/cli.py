@@ -25,7 +25,7 @@ app.add_typer(data_app, name="data")
 def generate(
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text (wrapped in the chat template unless --raw)."),
     model: Optional[Path] = typer.Option(None, "--model", "-m", help="Checkpoint directory (default: the demo model)."),
-    route: str = typer.Option("tree", help="ar | chain | tree | fla (FLA-SD baseline) | mtp"),
+    route: str = typer.Option("tree", help="ar | chain | tree | fla (FLA-SD baseline) | mtp | dspark | ready"),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     top_p: float = typer.Option(1.0, "--top-p"),
@@ -137,6 +137,64 @@ def train_drafter_cmd(
         target, out, data, total_steps=total_steps, total_minutes=total_minutes, max_minutes=max_minutes,
         batch_size=batch_size, seq_len=seq_len, lr=lr, unroll=unroll, feature_layers=layers, device=device,
         init_from=init_from)))
+
+
+@train_app.command("block-drafter")
+def train_block_drafter_cmd(
+    target: Path = typer.Option(..., help="Target checkpoint directory."),
+    data: Path = typer.Option(..., help="Responses .npz from `specla data responses`."),
+    out: Path = typer.Option(..., help="Run directory (checkpoint, log, export/). Re-run to resume."),
+    kind: str = typer.Option("dspark", help="dspark (from scratch) | ready | dspark-ft (the fine-tuned control)"),
+    stage: int = typer.Option(1, help="ReaDy stage: 1 = the reader only, 2 = the whole drafter."),
+    init_from: Optional[Path] = typer.Option(None, help="Export to start from: DSpark for ready stage 1 and "
+                                             "dspark-ft, the stage-1 ReaDy export for stage 2."),
+    total_minutes: float = typer.Option(8.0),
+    max_minutes: float = typer.Option(8.0),
+    total_steps: Optional[int] = typer.Option(None),
+    batch_size: int = typer.Option(32),
+    seq_len: int = typer.Option(768),
+    anchors: int = typer.Option(16, help="Draft blocks per sequence per step."),
+    lr: Optional[float] = typer.Option(None, help="Peak LR (default 1e-3 dspark, 1e-4 stage 1, 5e-5 stage 2 / dspark-ft)."),
+    source_layers: Optional[str] = typer.Option(None, help="ReaDy: comma-separated target GDN layers to read."),
+    reader_rank: Optional[str] = typer.Option(None, help="ReaDy: reader rank (default 8) or 'full'."),
+    inject_layers: Optional[str] = typer.Option(None, help="ReaDy: comma-separated draft layers that add the read."),
+    inject_site: Optional[str] = typer.Option(None, help="ReaDy: post (after attention, default) | pre."),
+    device: str = typer.Option("auto"),
+):
+    """Train a parallel block drafter: DSpark, ReaDy (two stages) or the fine-tuned DSpark control."""
+    from specla.train.block_drafter import train_block_drafter
+
+    ints = lambda s: [int(x) for x in s.split(",")] if s else None  # noqa: E731
+    rank = reader_rank if reader_rank in (None, "full") else int(reader_rank)
+    typer.echo(json.dumps(train_block_drafter(
+        target, out, data, kind=kind, init_from=init_from, stage=stage, total_steps=total_steps,
+        total_minutes=total_minutes, max_minutes=max_minutes, batch_size=batch_size, seq_len=seq_len,
+        anchors=anchors, lr=lr, source_layers=ints(source_layers), reader_rank=rank,
+        inject_layers=ints(inject_layers), inject_site=inject_site, device=device)))
+
+
+@bench_app.command("ready")
+def bench_ready(
+    model: Optional[Path] = typer.Option(None, "--model", "-m", help="Target (default: the demo model)."),
+    dspark: Optional[Path] = typer.Option(None, help="DSpark export (default <model>/dspark)."),
+    dspark_ft: Optional[Path] = typer.Option(None, "--dspark-ft", help="Fine-tuned control (default <model>/dspark-ft)."),
+    ready: Optional[Path] = typer.Option(None, help="ReaDy export (default <model>/ready)."),
+    variant: list[str] = typer.Option([], help="NAME=DIR: another trained block drafter row (ablations)."),
+    suites: str = typer.Option("mixed,gsm8k,humaneval"),
+    n_prompts: int = typer.Option(80, help="Prompts per suite, spread over it."),
+    max_new_tokens: int = typer.Option(256),
+    threshold: float = typer.Option(0.0, help="Confidence cut (0: full 7-token blocks)."),
+    device: str = typer.Option("cuda"),
+    quick: bool = typer.Option(False, help="Smoke test: 1 prompt per suite, 16 tokens (random drafters if none)."),
+    max_minutes: Optional[float] = typer.Option(None, help="Stop starting generations after this; re-run resumes."),
+    out: Path = typer.Option(Path("benchmarks/results")),
+):
+    """ReaDy vs DSpark: TPS, x AR, tau, survival curves, fused state-reader latency (ready.json/.png)."""
+    from specla.bench.ready import run
+
+    run(model, dspark, dspark_ft, ready, dict(v.split("=", 1) for v in variant),
+        tuple(s for s in suites.split(",") if s), n_prompts, max_new_tokens, device, threshold=threshold,
+        quick=quick, max_minutes=max_minutes, out_dir=out)
 
 
 @train_app.command("card")

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import time
 from pathlib import Path
@@ -51,28 +50,19 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from specla.drafters.dspark import (MODEL_TYPE as DSPARK_TYPE, DSparkConfig, DSparkModel, load_block_drafter,
-                                    read_config, save_block_drafter)
+from specla.drafters.dspark import DSparkConfig, DSparkModel, load_block_drafter, save_block_drafter
 from specla.drafters.ready import MODEL_TYPE as READY_TYPE, ReadyConfig, ReadyModel
 from specla.errors import InputError
 from specla.model import GatedDeltaNet, Model
 from specla.ops.conv import naive as conv_ref
 from specla.ops.reader import naive as reader_ref
 from specla.train.drafter import ResponseBatches, ResponseSet
+from specla.train.loop import RunClock
 
 KINDS = ("dspark", "dspark-ft", "ready")
 # ReaDy Table 8: AdamW (0.9, 0.999), eps 1e-8, no weight decay; stage 1 lr 1e-4, stage 2 lr 5e-5
 ADAPT = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
 STAGE_LR = {1: 1e-4, 2: 5e-5}
-WARM_STEPS, CALIBRATION_STEPS = 5, 30  # the schedule is calibrated over steps 5..35 of a run
-
-
-def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
-    """Linear warmup, then cosine from the peak down to 10% of it at `total` (as the other trainers)."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    t = min(1.0, (step - warmup) / max(1, total - warmup))
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
 # --------------------------------------------------------------------------- target side
@@ -207,7 +197,7 @@ class BlockLoss(nn.Module):
         [P] as hits of the leading run), all detached except the loss."""
         m = self.drafter
         B, T = tokens.shape
-        P, A = m.cfg.block_size, anchors.shape[1]
+        P = m.cfg.block_size
         rows = torch.arange(B, device=tokens.device)[:, None]
         read = state_reader(states) if states is not None else None
         h = m.block_hidden(m.features(hidden), emb[rows, anchors], anchors, read)  # [B, A, P, D]
@@ -414,7 +404,7 @@ def train_block_drafter(target_dir, out_dir, data, kind: str = "dspark", init_fr
         tmp = out / "ckpt.pt.tmp"
         torch.save({"kind": kind, "stage": stage, "model_type": model.model_type, "config": dataclasses.asdict(model.cfg),
                     "model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                    "train_seconds": train_seconds, "sequences_seen": seqs_seen, "total_steps": total_steps}, tmp)
+                    "train_seconds": train_seconds, "sequences_seen": seqs_seen, "total_steps": clock.total_steps}, tmp)
         tmp.replace(ckpt_path)
 
     metrics, evaluated_at = {}, None
@@ -429,17 +419,13 @@ def train_block_drafter(target_dir, out_dir, data, kind: str = "dspark", init_fr
         return result
 
     model.train()
-    run_start = last_ckpt = time.time()
-    run_steps, calibration_start = 0, 0.0
+    clock = RunClock(total_steps, total_minutes, max_minutes, checkpoint_minutes, dev, distributed)
     bar = tqdm(total=total_steps, initial=step, desc=f"train {kind}" + ("" if scratch else f" stage {stage}"),
                unit="step", disable=not (progress and main))
-    stop = False
-    while not stop:
-        if total_steps is not None and step >= total_steps:
-            break
+    while not clock.finished(step):
         t0 = time.time()
         *args, states = _batch(target, model, train, step, anchors, seed, rank, dev, chunk)
-        cur_lr = lr_at(step, total_steps or 10**9, lr, warmup)
+        cur_lr = clock.lr(step, lr, warmup)
         for grp in opt.param_groups:
             grp["lr"] = cur_lr
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
@@ -449,20 +435,12 @@ def train_block_drafter(target_dir, out_dir, data, kind: str = "dspark", init_fr
         gnorm = torch.nn.utils.clip_grad_norm_(train_params, 1.0)
         opt.step()
         step += 1
-        run_steps += 1
         seqs_seen += batch_size * world
-        if dev.type == "cuda" and (step % 10 == 0 or run_steps in (WARM_STEPS, WARM_STEPS + CALIBRATION_STEPS)):
+        if dev.type == "cuda" and (step % 10 == 0 or clock.timing_step()):
             torch.cuda.synchronize()
         train_seconds += time.time() - t0
-        if total_steps is None and run_steps == WARM_STEPS:
-            calibration_start = train_seconds
-        if total_steps is None and run_steps == WARM_STEPS + CALIBRATION_STEPS:
-            per_step = (train_seconds - calibration_start) / CALIBRATION_STEPS
-            est = torch.tensor([step + int(max(0.0, total_minutes * 60 - train_seconds) / per_step)], device=dev)
-            if distributed:
-                torch.distributed.broadcast(est, 0)
-            total_steps = int(est.item())
-            bar.total = total_steps
+        if clock.step_done(step, train_seconds):
+            bar.total = clock.total_steps
         bar.update(1)
         if main and step % log_every == 0:
             s = summarize(stats)
@@ -472,14 +450,12 @@ def train_block_drafter(target_dir, out_dir, data, kind: str = "dspark", init_fr
                                   "sequences": seqs_seen, "train_seconds": round(train_seconds, 1)}) + "\n")
         if step % eval_every == 0:
             metrics = validate()
-        flag = torch.tensor([time.time() - run_start > max_minutes * 60], device=dev)
-        if distributed:
-            torch.distributed.broadcast(flag, 0)
-        stop = bool(flag.item())
-        if time.time() - last_ckpt > checkpoint_minutes * 60:
+        if clock.checkpoint_due():
             save()
-            last_ckpt = time.time()
+        if clock.out_of_time():
+            break
     bar.close()
+    total_steps = clock.total_steps
     if evaluated_at != step:
         metrics = validate()
     save()
