@@ -126,7 +126,7 @@ class Decoder:
             on_tokens: Callable[[list[int]], None] | None = None):
         """Generate for B prompts of equal length. Returns (tokens per row, stats of row 0, cache)."""
         self._check(prompts, max_new_tokens)
-        model, dev = self.model, self.model.device
+        dev = self.model.device
         prompts = prompts.to(dev)
         B, T = prompts.shape
         gen = None

@@ -23,6 +23,7 @@ of the two-stage adaptation trains (`specla.train.block_drafter`).
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import torch
@@ -170,7 +171,7 @@ def load_ready(path, target: Model | None = None, **kw) -> ReadyModel:
     return load_block_drafter(path, target, expect=MODEL_TYPE, **kw)
 
 
-def find_ready(model_dir) -> "Path | None":  # noqa: F821
+def find_ready(model_dir) -> Path | None:
     return find_block_drafter(model_dir, READY_DIR)
 
 
