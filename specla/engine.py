@@ -22,6 +22,9 @@ from specla.state import Cache, GDNLayerState
 
 class EagerTarget:
     def __init__(self, model: Model, batch: int, max_len: int):
+        from specla.fused import maybe_fuse
+
+        maybe_fuse(model)  # SPECLA_COMPILE=1: the fused decode path (specla.fused)
         self.model = model
         self.max_len = max_len
         self.cache: Cache = model.new_cache(batch, max_len=max_len)
@@ -64,7 +67,9 @@ class GraphTarget(EagerTarget):
     def __init__(self, model: Model, batch: int, max_len: int, budget: int, delayed: bool):
         super().__init__(model, batch, max_len)
         dev = model.device
-        self.budget, self.delayed = budget, delayed
+        # a one-node budget never accepts a draft: commit at once, so AR steps have no
+        # (empty) pending update to flush in every layer
+        self.budget, self.delayed = budget, delayed and budget > 1
         self.root = torch.zeros(batch, dtype=torch.long, device=dev)
         self.tokens = torch.zeros(batch, budget, dtype=torch.long, device=dev)
         self.parents = torch.arange(-1, budget - 1, device=dev).expand(batch, -1).contiguous()
@@ -73,7 +78,7 @@ class GraphTarget(EagerTarget):
         self.length = torch.zeros(batch, dtype=torch.long, device=dev)
         self.graphs: dict = {}
         self.records = None
-        if delayed:  # pending buffers exist from the start so the verify graph reads them
+        if self.delayed:  # pending buffers exist from the start so the verify graph reads them
             self._make_pending()
 
     def _make_pending(self) -> None:
@@ -145,6 +150,7 @@ class GraphTarget(EagerTarget):
         return out, acc
 
     def commit(self, records, path, length, delayed):
+        delayed = delayed and self.budget > 1
         if records is not self.records or delayed != self.delayed:
             return super().commit(records, path, length, delayed)
         self.path.copy_(path)

@@ -209,6 +209,14 @@ class Model(nn.Module):
     def _head(self, x, hidden):
         return ModelOutput(self.lm_head(self.norm(x)), hidden)
 
+    def fuse(self, enable: bool = True, **options) -> "Model":
+        """Opt in to the fused decode path (`specla.fused`: AR steps and verifies through
+        torch.compile'd per-layer regions); `fuse(False)` returns to the plain path."""
+        from specla.fused import FusedModel
+
+        self._fused = FusedModel(self, **options) if enable else None
+        return self
+
     def train_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Differentiable logits [B, T, vocab] from an empty state (training; pure GDN stacks)."""
         x = self.embeddings(tokens)
@@ -220,6 +228,9 @@ class Model(nn.Module):
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, cache: Cache, capture: tuple[int, ...] = ()) -> ModelOutput:
         """Consume tokens [B, T] as a plain sequence, advancing `cache` by T."""
+        fused = getattr(self, "_fused", None)
+        if fused is not None and fused.takes(tokens, verify=False):
+            return fused.forward(tokens, cache, capture)
         x = self.embeddings(tokens)
         hidden = {}
         for i, blk in enumerate(self.layers):
@@ -238,6 +249,9 @@ class Model(nn.Module):
     def verify(self, tokens: torch.Tensor, parents: torch.Tensor, cache: Cache,
                capture: tuple[int, ...] = ()) -> ModelOutput:
         """Score every node of the topology `parents` [B, n] (node 0 = root) from `cache`."""
+        fused = getattr(self, "_fused", None)
+        if fused is not None and fused.takes(tokens, verify=True):
+            return fused.verify(tokens, parents, cache, capture)
         x = self.embeddings(tokens)
         hidden, records = {}, []
         for i, blk in enumerate(self.layers):

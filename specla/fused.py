@@ -1,0 +1,419 @@
+"""The fused decode path: each layer's elementwise glue compiled into a few kernels.
+
+`Model.forward` / `Model.verify` in plain PyTorch launch ~50 small kernels per GDN layer
+(fp32 RMSNorms, l2norms, softplus/exp gates, the gated output norm, SwiGLU, conv-state
+shuffling, dtype casts). At batch 1 a decode step is launch-bound even inside a CUDA graph
+(DESIGN §6: 4.03 ms per AR step against a 0.70 ms weight floor). `Model.fuse()` (or
+`SPECLA_COMPILE=1`, applied when a target is built, `specla.engine`) routes the decode-time
+calls through this module instead:
+
+- one AR step (`forward` with T = 1) and every verify (`verify`, any topology);
+- per GDN layer, `torch.compile`d pure functions of the layer's tensors, with specla's
+  Triton ops called eagerly between them (opaque to the compiler):
+
+      [residual add + attn RMSNorm + in_proj + short conv + silu + l2norm(q|k) + g + beta]   (AR)
+      [residual add + attn RMSNorm + in_proj] -> ops.tree_conv -> [silu'd conv out -> factors]  (verify)
+      ops.gdn_sequence / ops.gdn_tree_verify                                   (Triton)
+      [gated output norm + o_proj + residual add + MLP RMSNorm + gate|up + SwiGLU + down]
+      ... next layer's first region adds the MLP output to the residual ...
+      [residual add + final RMSNorm + LM head]
+
+  The MLP output is handed to the next region unsummed, so every residual add fuses into the
+  RMSNorm that reads it. Weights are arguments (not closed over), so one compiled graph
+  serves all layers of a shape; the layer's constants (eps, head sizes, dtypes) are closure
+  constants. gate_proj and up_proj run as one matmul over a concatenated copy of the two
+  weights (`concat_mlp`; it costs their memory once more).
+- Attention and MoE layers (hybrid stacks) run their plain modules in between.
+
+Compilation is static apart from one dimension (`fullgraph=True`, `dynamic=False` unless a
+call marks a dimension): the AR step (T = 1) is one static graph per region; verifies mark
+their node dimension dynamic (`dynamic_tokens`, the default), so one graph per region serves
+every topology size — drafters whose sizes vary round to round (prompt lookup, pruned trees
+run eagerly) never trigger a compile storm. `dynamic_tokens=False` (`SPECLA_COMPILE_DYNAMIC=0`)
+compiles one static graph per verify size instead. `GraphTarget` runs every function twice
+before it captures (warm-up), so compilation and Inductor's autotuning happen before capture
+and a replay never recompiles. Prefill (T > 1 through `forward`) stays on the plain path, so
+prompt lengths never trigger compiles; verify shapes beyond `max_shapes` distinct ones fall back
+to the plain path (static mode only; a GraphTarget uses one shape per budget).
+
+Inductor is told to round like eager (`emulate_precision_casts`), so the fused path equals
+the plain one up to the accumulation order of reductions: fp32 runs agree to ~1e-6, bf16
+runs to bf16 rounding.
+
+Modes (`SPECLA_COMPILE` or `Model.fuse(mode=...)`): `default` (Inductor's Triton kernels for
+the glue, cuBLAS for the matmuls), `max-autotune` (also lets Inductor autotune Triton matmul
+templates against cuBLAS and fuse epilogues into them; much longer compiles).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from specla import ops
+from specla.state import GDNRecord, KVLayerState
+
+ENV = "SPECLA_COMPILE"
+MODES = ("default", "max-autotune")
+MAX_TOKENS = 256  # verify topologies larger than this stay on the plain path
+
+
+def env_mode() -> str | None:
+    """The mode `SPECLA_COMPILE` asks for: None (off), 'default' or 'max-autotune'."""
+    v = os.environ.get(ENV, "").strip().lower()
+    if v in ("", "0", "false", "no", "off"):
+        return None
+    if v in ("1", "true", "yes", "on", "default"):
+        return "default"
+    if v in MODES:
+        return v
+    raise ValueError(f"{ENV}={v!r}: use 0, 1 or one of {', '.join(MODES)}")
+
+
+def maybe_fuse(model) -> None:
+    """Fuse `model` when `SPECLA_COMPILE` asks for it (called when a target is built);
+    `SPECLA_COMPILE_DYNAMIC=0` compiles one static graph per verify size instead of one
+    graph with a symbolic node count."""
+    mode = env_mode()
+    if mode is not None and getattr(model, "_fused", None) is None:
+        dyn = os.environ.get(ENV + "_DYNAMIC", "1").strip().lower() not in ("0", "false", "no", "off")
+        model.fuse(mode=mode, dynamic_tokens=dyn)
+
+
+def _options(mode: str) -> dict:
+    import torch._inductor.config as ic
+
+    opts = {}
+    if hasattr(ic, "emulate_precision_casts"):
+        opts["emulate_precision_casts"] = True  # round intermediates where eager would
+    if mode == "max-autotune":
+        opts.update({"max_autotune": True, "max_autotune_gemm": True})
+    return opts
+
+
+def _raise_recompile_limit(limit: int = 64) -> None:
+    """Each (function, shape) is one cache entry; the default limit (8) is too small."""
+    import torch._dynamo.config as dc
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        try:
+            if getattr(dc, name) < limit:
+                setattr(dc, name, limit)
+            return
+        except AttributeError:
+            continue
+
+
+# ---- pure functions of a layer's tensors (compiled) ------------------------------------------
+
+def _rms(x, w, eps: float, zc: bool):
+    """`model.RMSNorm.forward` with the weight as an argument."""
+    xf = x if x.dtype == torch.float64 else x.float()
+    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    w = w.to(y.dtype)
+    return (y * (1 + w if zc else w)).to(x.dtype)
+
+
+def _l2norm(x):
+    # = model.l2norm (fla's in-kernel form: eps inside the square root)
+    return x / torch.sqrt(x.square().sum(-1, keepdim=True) + 1e-6)
+
+
+def _gated_rms_norm(o, z, weight, eps: float, act: str):
+    # = model.gated_rms_norm
+    y = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + eps) * weight.to(o.dtype)
+    if z is not None:
+        z = z.to(o.dtype)
+        y = y * (torch.sigmoid(z) if act == "sigmoid" else F.silu(z))
+    return y
+
+
+def _make_factors(H, K, HV, V, neg, sdt):
+    def factors(xc, a, b, A_log, dt_bias):
+        """`GatedDeltaNet._factors`; q and k are l2-normalised together (one reduction)."""
+        B, n, _ = xc.shape
+        xs = xc.to(sdt)
+        qk = _l2norm(xs[..., :2 * H * K].reshape(B, n, 2 * H, K))
+        q, k = qk[:, :, :H], qk[:, :, H:]
+        v = xs[..., 2 * H * K:].reshape(B, n, HV, V)
+        g = -A_log.to(sdt).exp() * F.softplus(a.to(sdt) + dt_bias.to(sdt))
+        beta = torch.sigmoid(b.to(sdt))
+        if neg:
+            beta = beta * 2
+        return q, k, v, g, beta
+    return factors
+
+
+def _make_seq_pre(eps, zc, sizes, conv, W, use_gate, factor_consts):
+    factors = _make_factors(*factor_consts)
+
+    def seq_pre(x, r, norm_w, in_w, conv_state, conv_w, conv_b, A_log, dt_bias):
+        """Residual add, norm, projection, short conv (conv state advanced in place), factors."""
+        if r is not None:
+            x = x + r
+        xp, z, a, b = torch.split(F.linear(_rms(x, norm_w, eps, zc), in_w), sizes, dim=-1)
+        if conv:
+            # ops.conv_sequence (a depthwise conv1d), written as W multiply-adds so it fuses;
+            # accumulated in fp32 like cuDNN's conv, rounded once to the activation dtype
+            T = xp.shape[1]
+            acc = torch.float64 if xp.dtype == torch.float64 else torch.float32
+            hist = torch.cat([conv_state.transpose(1, 2).to(xp.dtype), xp], dim=1)  # [B, W-1+T, C]
+            y = hist[:, 0:T].to(acc) * conv_w[:, 0].to(acc)
+            for j in range(1, W):
+                y = y + hist[:, j:j + T].to(acc) * conv_w[:, j].to(acc)
+            if conv_b is not None:
+                y = y + conv_b.to(acc)
+            xc = F.silu(y.to(xp.dtype))
+            conv_state.copy_(hist[:, T:].transpose(1, 2).to(conv_state.dtype))
+        else:
+            xc = F.silu(xp)
+        q, k, v, g, beta = factors(xc, a, b, A_log, dt_bias)
+        return x, q, k, v, g, beta, (z if use_gate else None)
+    return seq_pre
+
+
+def _make_tree_in(eps, zc, sizes, use_gate):
+    def tree_in(x, r, norm_w, in_w):
+        """Residual add, norm, projection: the pre-conv inputs go to ops.tree_conv."""
+        if r is not None:
+            x = x + r
+        xp, z, a, b = torch.split(F.linear(_rms(x, norm_w, eps, zc), in_w), sizes, dim=-1)
+        return x, xp, (z if use_gate else None), a, b
+    return tree_in
+
+
+def _make_post(eps_o, act, HV, V, eps_m, zc, I):
+    def post(o, z, x, o_norm_w, o_w, mlp_norm_w, w1, w2, down_w):
+        """Gated output norm, o_proj, residual add, MLP norm, SwiGLU MLP; the MLP output is
+        returned unsummed (the next region adds it to the residual)."""
+        B, n = o.shape[:2]
+        zz = None if z is None else z.reshape(B, n, HV, V)
+        y = _gated_rms_norm(o, zz, o_norm_w, eps_o, act)
+        x = x + F.linear(y.reshape(B, n, -1).to(x.dtype), o_w)
+        h = _rms(x, mlp_norm_w, eps_m, zc)
+        if w2 is None:  # w1 = [gate; up]
+            gu = F.linear(h, w1)
+            gate, up = gu[..., :I], gu[..., I:]
+        else:
+            gate, up = F.linear(h, w1), F.linear(h, w2)
+        return x, F.linear(F.silu(gate) * up, down_w)
+    return post
+
+
+def _make_head(eps, zc):
+    def head(x, r, norm_w, lm_w):
+        if r is not None:
+            x = x + r
+        return x, F.linear(_rms(x, norm_w, eps, zc), lm_w)
+    return head
+
+
+_MAKERS = {"factors": _make_factors, "seq_pre": _make_seq_pre, "tree_in": _make_tree_in,
+           "post": _make_post, "head": _make_head}
+_COMPILED: dict = {}
+
+
+def compiled(kind: str, consts: tuple, mode: str = "default", dynamic: bool = False):
+    """The compiled function of `kind` for these closure constants (shared by every layer and
+    every model with the same constants). `dynamic`: shapes are static unless a call marks a
+    dimension dynamic (`FusedModel(dynamic_tokens=True)` marks the token dimension)."""
+    key = (kind, consts, mode, dynamic)
+    fn = _COMPILED.get(key)
+    if fn is None:
+        fn = torch.compile(_MAKERS[kind](*consts), dynamic=None if dynamic else False, fullgraph=True,
+                           options=_options(mode))
+        _COMPILED[key] = fn
+    return fn
+
+
+def eager(kind: str, consts: tuple):
+    """The same function uncompiled (tests: it is what the compiler sees)."""
+    return _MAKERS[kind](*consts)
+
+
+# ---- the fused model -------------------------------------------------------------------------
+
+def _mark_tokens(*ts) -> None:
+    """Mark dimension 1 (tokens / nodes) of these region inputs dynamic (None skipped)."""
+    import torch._dynamo
+
+    for t in ts:
+        if t is not None:
+            torch._dynamo.maybe_mark_dynamic(t, 1)
+
+
+class _Layer:
+    """One fusable block (GDN mixer + SwiGLU MLP): its compiled regions and weight handles."""
+
+    def __init__(self, blk, sdt, mode, concat_mlp, compile_fn):
+        mix, cfg = blk.mixer, blk.mixer.cfg
+        self.blk, self.mix = blk, mix
+        sizes = (sum(mix.split[:3]), mix.split[3], mix.split[4], mix.split[5])
+        an, mn = blk.attn_norm, blk.mlp_norm
+        self.conv = cfg.use_short_conv
+        fc = (mix.H, mix.K, mix.HV, mix.V, bool(cfg.allow_neg_eigval), sdt)
+        self.seq_pre = compile_fn("seq_pre", (an.eps, an.zero_centered, sizes, self.conv, cfg.conv_size,
+                                              cfg.use_gate, fc), mode)
+        self.tree_in = compile_fn("tree_in", (an.eps, an.zero_centered, sizes, cfg.use_gate), mode)
+        self.factors = compile_fn("factors", fc, mode)
+        I = blk.mlp.gate_proj.weight.shape[0]
+        self.post = compile_fn("post", (cfg.norm_eps, cfg.gate_activation, mix.HV, mix.V, mn.eps,
+                                        mn.zero_centered, I), mode)
+        self.concat_mlp = concat_mlp
+        self._gu, self._gu_key = None, None
+
+    def mlp_weights(self):
+        mlp = self.blk.mlp
+        if not self.concat_mlp:
+            return mlp.gate_proj.weight, mlp.up_proj.weight
+        g, u = mlp.gate_proj.weight, mlp.up_proj.weight
+        key = (g.data_ptr(), g._version, u.data_ptr(), u._version, g.dtype)
+        if key != self._gu_key:  # first use, or the weights changed (moved, cast, edited in place)
+            self._gu, self._gu_key = torch.cat([g.detach(), u.detach()], 0), key
+        return self._gu, None
+
+    def conv_args(self):
+        mix = self.mix
+        return (mix.conv_weight, mix.conv_bias) if self.conv else (None, None)
+
+    def post_call(self, o, z, x):
+        blk, mix = self.blk, self.mix
+        w1, w2 = self.mlp_weights()
+        return self.post(o, z, x, mix.o_norm_weight, mix.o_proj.weight, blk.mlp_norm.weight, w1, w2,
+                         blk.mlp.down_proj.weight)
+
+
+class FusedModel:
+    """Decode-time forward/verify of a `Model` through compiled regions (see the module doc).
+
+    Not an nn.Module: it owns no parameters (the concatenated gate|up copies aside, which are
+    rebuilt whenever the model's weights change) and never enters the state dict.
+    """
+
+    def __init__(self, model, mode: str = "default", concat_mlp: bool = True, max_shapes: int = 16,
+                 compile: bool = True, dynamic_tokens: bool = True):
+        from specla.model import GatedDeltaNet, GatedMLP, state_dtype_for
+
+        if mode not in MODES:
+            raise ValueError(f"unknown fuse mode {mode!r}; choose one of {', '.join(MODES)}")
+        self.model, self.mode, self.max_shapes = model, mode, max_shapes
+        self.dynamic_tokens = dynamic_tokens
+        _raise_recompile_limit()
+        if compile:
+            compile_fn = lambda kind, consts, mode: compiled(kind, consts, mode, dynamic_tokens)  # noqa: E731
+        else:
+            compile_fn = lambda kind, consts, mode: eager(kind, consts)  # noqa: E731
+        sdt = state_dtype_for(model.dtype)
+        self.layers = [_Layer(blk, sdt, mode, concat_mlp, compile_fn)
+                       if isinstance(blk.mixer, GatedDeltaNet) and type(blk.mlp) is GatedMLP else None
+                       for blk in model.layers]
+        n = model.norm
+        self.head = compile_fn("head", (n.eps, n.zero_centered), mode)
+        self.shapes: set = set()
+
+    def takes(self, tokens: torch.Tensor, verify: bool) -> bool:
+        """Whether this call goes through the fused path: AR steps (T = 1) and verifies of at
+        most MAX_TOKENS nodes, for the first `max_shapes` distinct shapes (fixed per graph;
+        with `dynamic_tokens` every verify size of a batch is one shape)."""
+        B, n = tokens.shape
+        if (not verify and n != 1) or n > MAX_TOKENS:
+            return False
+        key = (verify, B, "n" if self.dynamic_tokens and verify and n > 1 else n, tokens.device)
+        if key not in self.shapes:
+            if len(self.shapes) >= self.max_shapes:
+                return False
+            self.shapes.add(key)
+        return True
+
+    def _plain_block(self, blk, x, st, cache, parents):
+        """A block the fused path does not cover (attention mixer, MoE MLP): Model's own code."""
+        rec = None
+        if parents is None:
+            if isinstance(st, KVLayerState):
+                x = x + blk.mixer(blk.attn_norm(x), st, cache.length)
+            else:
+                x = x + blk.mixer(blk.attn_norm(x), st)
+        else:
+            if isinstance(st, KVLayerState):
+                o, rec = blk.mixer.verify(blk.attn_norm(x), parents, st, cache.length)
+            else:
+                o, rec = blk.mixer.verify(blk.attn_norm(x), parents, st)
+            x = x + o
+        return x + blk.mlp(blk.mlp_norm(x)), rec
+
+    def run(self, tokens, cache, capture=(), parents=None):
+        """forward (parents None: consume the tokens, advance the cache) or verify."""
+        from specla.model import ModelOutput
+
+        m = self.model
+        x, r = m.embeddings(tokens), None  # r: the last MLP output, not yet added to x
+        if self.dynamic_tokens and parents is not None and tokens.shape[1] > 1:
+            mark = _mark_tokens  # one compiled graph for every verify size (dim 1 symbolic)
+        else:
+            mark = lambda *ts: None  # noqa: E731
+        hidden, records, want = {}, [], None  # want: the captured layer whose x is x + r
+
+        def settle(x, r, want):
+            if r is not None:
+                x = x + r
+            if want is not None:
+                hidden[want] = x
+            return x
+
+        for i, blk in enumerate(m.layers):
+            st, lay = cache.layers[i], self.layers[i]
+            if lay is None:
+                x = settle(x, r, want)
+                r, want = None, None
+                x, rec = self._plain_block(blk, x, st, cache, parents)
+                records.append(rec)
+                if i in capture:
+                    hidden[i] = x
+                continue
+            mix = lay.mix
+            cw, cb = lay.conv_args()
+            if parents is None:
+                st.flush()
+                x, q, k, v, g, beta, z = lay.seq_pre(x, r, blk.attn_norm.weight, mix.in_proj.weight, st.conv,
+                                                     cw, cb, mix.A_log, mix.dt_bias)
+            elif st.conv is not None:
+                mark(x, r)
+                x, xp, z, a, b = lay.tree_in(x, r, blk.attn_norm.weight, mix.in_proj.weight)
+                xc = ops.tree_conv(xp, st.conv, cw, cb, parents)
+                mark(xc, a, b)
+                q, k, v, g, beta = lay.factors(xc, a, b, mix.A_log, mix.dt_bias)
+            else:  # no short conv: nothing is written, the sequence region serves
+                mark(x, r)
+                x, q, k, v, g, beta, z = lay.seq_pre(x, r, blk.attn_norm.weight, mix.in_proj.weight, None,
+                                                     None, None, mix.A_log, mix.dt_bias)
+                xp = None
+            if want is not None:
+                hidden[want] = x
+            if parents is None:
+                o = ops.gdn_sequence(q, k, v, g, beta, st.S, mix.scale)
+            else:
+                o, u = ops.gdn_tree_verify(q, k, v, g, beta, st.S, parents, mix.scale, st.pending)
+                if st.pending is not None:  # folded into S by the verify
+                    st.pending[3].zero_()
+                records.append(GDNRecord(x=xp if st.conv is not None else None, k=k, g=g, u=u))
+            mark(o, z, x)
+            x, r = lay.post_call(o, z, x)
+            want = i if i in capture else None
+        mark(x, r)
+        x, logits = self.head(x, r, m.norm.weight, m.lm_head.weight)
+        if want is not None:
+            hidden[want] = x
+        if parents is None:
+            cache.length.add_(tokens.shape[1])
+        out = ModelOutput(logits, hidden)
+        if parents is not None:
+            out.records = records
+        return out
+
+    def forward(self, tokens, cache, capture=()):
+        return self.run(tokens, cache, capture)
+
+    def verify(self, tokens, parents, cache, capture=()):
+        return self.run(tokens, cache, capture, parents)

@@ -1,0 +1,90 @@
+"""CPU smoke runs of `specla bench controlled` and `specla bench agreement` (tiny shape; the
+timings mean nothing on CPU, the code paths and result files do)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from specla.bench import agreement, controlled
+
+
+def test_controlled_quick_cpu(tmp_path):
+    res = controlled.run(shape="tiny", device="cpu", quick=True, out_dir=tmp_path)
+    data = json.loads((tmp_path / "controlled.json").read_text())
+    assert (tmp_path / "controlled.png").stat().st_size > 0
+    for key in ("device", "shape", "ar_ms_per_token", "round16_ms", "grid", "per_length", "versions", "commit"):
+        assert key in data, key
+    assert data["shape"] == "tiny"
+    cells = {(c["p"], c["L"]) for c in data["grid"]}
+    assert cells == {(p, L) for p in controlled.PS for L in controlled.LENGTHS}
+    for c in data["grid"]:
+        assert math.isfinite(c["speedup"]) and c["speedup"] > 0
+        assert 1 <= c["tau"] <= c["L"] + 1
+        if c["p"] == 1.0:  # oracle acceptance: every draft token, every round
+            assert c["tau"] == c["L"] + 1 == c["expected_tau"]
+    assert [r["L"] for r in data["per_length"]] == list(controlled.LENGTHS)
+    assert res["grid"] == data["grid"]
+
+
+def test_sampled_acceptance_is_truncated_geometric():
+    rng = random.Random(0)
+    for p, L in ((0.5, 5), (0.8, 12), (0.0, 7), (1.0, 6)):
+        xs = [controlled.sample_accepted(p, L, rng) for _ in range(20000)]
+        assert max(xs) <= L
+        mean = sum(x + 1 for x in xs) / len(xs)
+        assert abs(mean - controlled.expected_tau(p, L)) < 0.05 * controlled.expected_tau(p, L)
+
+
+def test_agreement_quick_cpu(tmp_path):
+    res = agreement.run(shape="tiny", device="cpu", quick=True, out_dir=tmp_path)
+    data = json.loads((tmp_path / "agreement.json").read_text())
+    assert data["ar_loop_equals_decoder_ar"] is True
+    assert set(data["summary"]) == {"chain", "tree"}
+    for s in data["summary"].values():
+        assert s["runs"] == 2 and 0 <= s["equal"] <= 2
+        assert s["mean_tau"] > 1.5  # the noisy oracle gets drafts accepted on random weights
+    assert len(data["per_run"]) == 2 and res["summary"] == data["summary"]
+
+
+def test_agreement_reports_divergence(tmp_path, monkeypatch):
+    """A route that leaves AR's tokens is reported with the index and AR's margin there."""
+    real = agreement.ar_with_margins
+
+    def off_by_one_at_3(target, prompt, n):
+        toks, margins = real(target, prompt, n)
+        toks[3] = (toks[3] + 1) % target.model.cfg.vocab_size
+        return toks, margins
+
+    monkeypatch.setattr(agreement, "ar_with_margins", off_by_one_at_3)
+    res = agreement.run(shape="tiny", device="cpu", quick=True, out_dir=tmp_path)
+    assert res["ar_loop_equals_decoder_ar"] is False
+    for route in ("chain", "tree"):
+        assert res["summary"][route]["equal"] == 0
+        for row in res["per_run"]:
+            assert row[route]["first_divergence"] == 3 and row[route]["margin"] is not None
+
+
+def test_noisy_oracle_main_line():
+    parents = [-1, 0, 0, 1, 1, 2, 3]
+    d = agreement.NoisyOracle(parents, vocab=50, noise=0.0)
+    assert d.main == [True, True, False, True, False, False, True]
+    d.set_reference(list(range(10, 30)))
+    from specla.drafters.base import DraftContext
+
+    draft = d.propose(DraftContext(history=[[10, 11, 12]], cache=None))
+    toks = draft.tokens[0].tolist()
+    # history ends at position 2; main nodes at depth 1, 2, 3 propose reference[3], [4], [5]
+    assert toks[0] == 12 and toks[1] == 13 and toks[3] == 14 and toks[6] == 15
+    assert toks[2] != 13 and toks[4] != 14  # siblings of main nodes never repeat the main token
+    assert agreement.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert agreement.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert agreement.first_divergence([1, 2, 3], [1, 2]) == 2
+
+
+@pytest.mark.parametrize("p,L", [(0.7, 5), (0.9, 12)])
+def test_expected_tau(p, L):
+    assert controlled.expected_tau(p, L) == pytest.approx(sum(p ** k for k in range(L + 1)))
