@@ -215,6 +215,36 @@ _MAKERS = {"factors": _make_factors, "seq_pre": _make_seq_pre, "tree_in": _make_
 _COMPILED: dict = {}
 
 
+class _Region:
+    """A compiled region. Should Inductor fail to compile it with eager-style rounding
+    (`emulate_precision_casts`), it is compiled again without that option, with a warning
+    (Inductor then keeps some bf16 intermediates in fp32: still within bf16 rounding). Any
+    other failure, or a failure without the option, raises."""
+
+    def __init__(self, fn, mode: str, dynamic: bool):
+        self.fn, self.dynamic, self.opts = fn, dynamic, _options(mode)
+        self.call = self._compile()
+
+    def _compile(self):
+        return torch.compile(self.fn, dynamic=None if self.dynamic else False, fullgraph=True,
+                             options=dict(self.opts))
+
+    def __call__(self, *args):
+        from torch._dynamo.exc import BackendCompilerFailed
+
+        try:
+            return self.call(*args)
+        except BackendCompilerFailed as e:  # raised before the graph runs: nothing was written
+            if not self.opts.pop("emulate_precision_casts", False):
+                raise
+            import warnings
+
+            warnings.warn(f"specla.fused: Inductor failed with emulate_precision_casts ({type(e).__name__}: "
+                          f"{(str(e).splitlines() or [''])[0][:200]}); compiling without it", stacklevel=2)
+            self.call = self._compile()
+            return self.call(*args)
+
+
 def compiled(kind: str, consts: tuple, mode: str = "default", dynamic: bool = False):
     """The compiled function of `kind` for these closure constants (shared by every layer and
     every model with the same constants). `dynamic`: shapes are static unless a call marks a
@@ -222,9 +252,7 @@ def compiled(kind: str, consts: tuple, mode: str = "default", dynamic: bool = Fa
     key = (kind, consts, mode, dynamic)
     fn = _COMPILED.get(key)
     if fn is None:
-        fn = torch.compile(_MAKERS[kind](*consts), dynamic=None if dynamic else False, fullgraph=True,
-                           options=_options(mode))
-        _COMPILED[key] = fn
+        fn = _COMPILED[key] = _Region(_MAKERS[kind](*consts), mode, dynamic)
     return fn
 
 

@@ -229,3 +229,30 @@ def test_uncompiled_regions_with_triton_kernels():
     with ops.backend("triton"):
         diff = _compare(model, dict(compile=False), 0, tol=1e-5, capture=(1,))
     assert diff["step"] < 1e-5 and diff["verify"] < 1e-5
+
+
+def test_region_recompiles_without_precision_emulation(monkeypatch):
+    """An Inductor failure with emulate_precision_casts falls back to compiling without it."""
+    import torch._dynamo.exc as dexc
+
+    from specla import fused
+
+    calls = []
+
+    class FakeCompiled:
+        def __init__(self, opts):
+            self.opts = opts
+
+        def __call__(self, x):
+            calls.append(dict(self.opts))
+            if self.opts.get("emulate_precision_casts"):
+                raise dexc.BackendCompilerFailed.__new__(dexc.BackendCompilerFailed)
+            return x + 1
+
+    monkeypatch.setattr(fused, "_options", lambda mode: {"emulate_precision_casts": True})
+    monkeypatch.setattr(torch, "compile", lambda fn, dynamic, fullgraph, options: FakeCompiled(options))
+    region = fused._Region(lambda x: x + 1, "default", False)
+    with pytest.warns(UserWarning, match="emulate_precision_casts"):
+        assert region(1) == 2
+    assert region(2) == 3
+    assert calls == [{"emulate_precision_casts": True}, {}, {}]
