@@ -113,6 +113,43 @@ def bench_decode(
     run(tuple(s for s in shapes.split(",") if s), new_tokens=new_tokens, rounds=rounds, out_dir=out)
 
 
+@bench_app.command("controlled")
+def bench_controlled(
+    shape: str = typer.Option("gdn-1.3b-paper", help="Named shape (random weights)."),
+    rounds: int = typer.Option(90, help="Timed rounds per (p, L) cell."),
+    prompt_len: int = typer.Option(256),
+    device: str = typer.Option("cuda"),
+    compile: Optional[str] = typer.Option(None, "--compile", help="Fuse the target: default | max-autotune "
+                                          "(SPECLA_COMPILE=1 does the same)."),
+    quick: bool = typer.Option(False, help="Few rounds, short prompt (smoke test; on CPU use --shape tiny)."),
+    out: Path = typer.Option(Path("benchmarks/results")),
+):
+    """Speedup over AR for acceptance probability p and chain length L, measured costs (SpecLA Fig 12)."""
+    from specla.bench.controlled import run
+
+    run(shape=shape, device=device, rounds=rounds, prompt_len=prompt_len, quick=quick, compile=compile, out_dir=out)
+
+
+@bench_app.command("agreement")
+def bench_agreement(
+    shape: str = typer.Option("gdn-1.3b-paper", help="Named shape (random weights)."),
+    runs: int = typer.Option(50, help="Random prompts."),
+    new_tokens: int = typer.Option(128),
+    prompt_len: int = typer.Option(64),
+    noise: float = typer.Option(0.2, help="Probability the oracle drafter replaces a token by a random one."),
+    device: str = typer.Option("cuda"),
+    compile: Optional[str] = typer.Option(None, "--compile", help="Fuse the target: default | max-autotune "
+                                          "(SPECLA_COMPILE=1 does the same)."),
+    quick: bool = typer.Option(False, help="2 runs of 16 tokens (smoke test; on CPU use --shape tiny)."),
+    out: Path = typer.Option(Path("benchmarks/results")),
+):
+    """How often bf16 chain/tree outputs equal AR's; first divergence and AR's logit margin there."""
+    from specla.bench.agreement import run
+
+    run(shape=shape, runs=runs, new_tokens=new_tokens, prompt_len=prompt_len, noise=noise, device=device,
+        quick=quick, compile=compile, out_dir=out)
+
+
 @train_app.command("drafter")
 def train_drafter_cmd(
     target: Path = typer.Option(..., help="Target checkpoint directory."),

@@ -114,8 +114,8 @@ class GraphTarget(EagerTarget):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = fn()
-        for t, copy in saved:
-            t.copy_(copy)
+        for t, backup in saved:
+            t.copy_(backup)
         self.graphs[key] = (graph, out)
         return self.graphs[key]
 

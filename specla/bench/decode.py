@@ -104,6 +104,7 @@ def run(shapes=("gdn-1.3b-paper", "gdn-1.3b-paper-hybrid"), new_tokens: int = 64
             "tree_mean_accepted_length": tree_graph.mean_accepted_length,
         }
         row["round16_over_ar"] = row["round16_ms"] / row["ar_step_ms"]
+        row["fused"] = getattr(getattr(model, "_fused", None), "mode", None)
         rows.append(row)
         del model
         torch.cuda.empty_cache()
@@ -116,8 +117,11 @@ def run(shapes=("gdn-1.3b-paper", "gdn-1.3b-paper-hybrid"), new_tokens: int = 64
         table.add_row(*[f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols])
     Console().print(table)
     result = {"copy_bandwidth_GBps": bw / 1e9, "new_tokens": new_tokens, "prompt_len": prompt_len, "rows": rows}
-    write_results("decode", result, out_dir)
-    plot(result, Path(out_dir) / "decode.png")
+    from specla.fused import env_mode
+
+    name = "decode_fused" if env_mode() else "decode"
+    write_results(name, result, out_dir)
+    plot(result, Path(out_dir) / f"{name}.png")
     return result
 
 
