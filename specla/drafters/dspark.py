@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from specla.attention import apply_rotary, rotary_inv_freq
 from specla.config import ModelConfig
 from specla.drafters.base import Draft, DraftContext, Drafter
-from specla.drafters.eagle import default_feature_layers
+from specla.drafters.eagle import check_fits_target, default_feature_layers
 from specla.errors import CheckpointError, InputError
 from specla.model import GatedMLP, Model, RMSNorm
 
@@ -83,14 +83,7 @@ class DSparkConfig:
         return cls(**kw)
 
     def check(self, target: ModelConfig) -> None:
-        if self.hidden_size != target.hidden_size or self.vocab_size != target.vocab_size:
-            raise CheckpointError(
-                f"the drafter was trained for hidden size {self.hidden_size} and vocabulary {self.vocab_size}; "
-                f"the target has {target.hidden_size} and {target.vocab_size}")
-        bad = [i for i in self.feature_layers if not 0 <= i < target.num_hidden_layers]
-        if bad:
-            raise CheckpointError(f"the drafter reads target layer {bad[0]}, but the target has "
-                                  f"{target.num_hidden_layers} layers")
+        check_fits_target(self, target)
         if self.block_size < 1:
             raise CheckpointError(f"block size must be positive, got {self.block_size}")
 

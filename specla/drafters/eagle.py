@@ -52,6 +52,18 @@ WEIGHTS = "model.safetensors"
 DRAFTER_DIR = "drafter"  # a target checkpoint's drafter lives in <target>/drafter/
 
 
+def check_fits_target(cfg, target: ModelConfig) -> None:
+    """A drafter config (hidden_size, vocab_size, feature_layers) against the target it serves."""
+    if cfg.hidden_size != target.hidden_size or cfg.vocab_size != target.vocab_size:
+        raise CheckpointError(
+            f"the drafter was trained for hidden size {cfg.hidden_size} and vocabulary {cfg.vocab_size}; "
+            f"the target has {target.hidden_size} and {target.vocab_size}")
+    bad = [i for i in cfg.feature_layers if not 0 <= i < target.num_hidden_layers]
+    if bad:
+        raise CheckpointError(f"the drafter reads target layer {bad[0]}, but the target has "
+                              f"{target.num_hidden_layers} layers")
+
+
 def default_feature_layers(num_layers: int) -> list[int]:
     """Low, middle and high target layers (EAGLE-3): after layers L//4, L//2 and L-1."""
     return sorted({num_layers // 4, num_layers // 2, num_layers - 1})
@@ -85,14 +97,7 @@ class EagleConfig:
         return cls(**kw)
 
     def check(self, target: ModelConfig) -> None:
-        if self.hidden_size != target.hidden_size or self.vocab_size != target.vocab_size:
-            raise CheckpointError(
-                f"the drafter was trained for hidden size {self.hidden_size} and vocabulary {self.vocab_size}; "
-                f"the target has {target.hidden_size} and {target.vocab_size}")
-        bad = [i for i in self.feature_layers if not 0 <= i < target.num_hidden_layers]
-        if bad:
-            raise CheckpointError(f"the drafter reads target layer {bad[0]}, but the target has "
-                                  f"{target.num_hidden_layers} layers")
+        check_fits_target(self, target)
 
 
 def _ttt_attention(q, k0, v0, ks, vs, scale):
