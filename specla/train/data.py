@@ -26,7 +26,9 @@ def tokenize_split(corpus_dir: Path, split: str, tokenizer, cache: Path, progres
             ids.append(np.asarray(enc.ids, dtype=np.uint16))
     flat = np.concatenate(ids)
     cache.parent.mkdir(parents=True, exist_ok=True)
-    np.save(cache, flat)
+    tmp = cache.with_name(cache.name + ".tmp.npy")
+    np.save(tmp, flat)
+    tmp.replace(cache)  # readers never see a partial file
     return flat
 
 

@@ -108,8 +108,13 @@ def train_target(out_dir, corpus_dir, tokenizer_dir, config: ModelConfig | None 
     net = wrap(_LossModule(model), dev, distributed)
 
     corpus_dir = Path(corpus_dir)
-    train_tokens = tokenize_split(corpus_dir, "train", tok, out / "tokens_train.npy", progress and main)
-    val_tokens = tokenize_split(corpus_dir, "val", tok, out / "tokens_val.npy", progress and main)
+    splits = [(split, out / f"tokens_{split}.npy") for split in ("train", "val")]
+    if main:  # rank 0 tokenises once; the other ranks read its cache
+        for split, cache in splits:
+            tokenize_split(corpus_dir, split, tok, cache, progress)
+    if distributed:
+        torch.distributed.barrier()
+    train_tokens, val_tokens = (tokenize_split(corpus_dir, split, tok, cache, False) for split, cache in splits)
     train = Batches(train_tokens, batch_size, seq_len, seed, rank, world)
     val = Batches(val_tokens, batch_size, seq_len, seed + 1)
     log = open(out / "train_log.jsonl", "a") if main else None
