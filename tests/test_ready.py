@@ -8,7 +8,6 @@ import torch
 
 from specla.api import DEMO_DIR
 from specla.decode import Decoder
-from specla.drafters.base import DraftContext
 from specla.drafters.dspark import (DSparkConfig, DSparkDrafter, DSparkModel, find_block_drafter,
                                     load_block_drafter, save_block_drafter)
 from specla.drafters.ready import ReadyConfig, ReadyDrafter, ReadyModel, find_ready, load_ready
