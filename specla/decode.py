@@ -163,11 +163,7 @@ class Decoder:
             for b in range(B):
                 if done[b]:
                     continue
-                toks = new[b][: max_new_tokens - len(emitted[b])]
-                for i, t in enumerate(toks):
-                    if t in self.eos:
-                        toks = toks[: i + 1]
-                        break
+                toks = new[b][: self._emit_count(new[b], max_new_tokens - len(emitted[b]))]
                 emitted[b] += toks
                 hist[b] += toks
                 if toks and toks[-1] in self.eos:
@@ -201,6 +197,13 @@ class Decoder:
         self.targets[key] = target
         return target
 
+    def _emit_count(self, toks: list[int], room: int) -> int:
+        """How many of a round's tokens are emitted: up to `room`, and through the first EOS."""
+        for i, t in enumerate(toks[:room]):
+            if t in self.eos:
+                return i + 1
+        return min(len(toks), room)
+
     def _ar_step(self, target, root, gen):
         logits = target.step(root)
         if self.sampling.greedy:
@@ -225,28 +228,29 @@ class Decoder:
         padded = tokens if tokens.shape[1] == width else torch.cat(
             [tokens, tokens[:, -1:].expand(-1, width - tokens.shape[1])], 1)
         path_tokens = padded[rows, acc.path]  # [B, width]; root first
-        # one device-to-host copy per round: what was accepted
-        top = out.logits[:, 0].argmax(-1)  # the target's greedy token after the root
-        packed = torch.cat([acc.length[:, None], acc.bonus[:, None], top[:, None], path_tokens], 1).tolist()
-        lengths, bonus, paths = [r[0] for r in packed], [r[1] for r in packed], [r[3:] for r in packed]
+        # First-token match: does the root's first child (drafters put their best child first)
+        # carry the target's greedy token? -1 where the root has no real child.
+        first = torch.full_like(acc.bonus, -1)
+        if tokens.shape[1] > 1:
+            real = parents[:, 1] == 0
+            if valid is not None:
+                real &= valid > 1
+            first = torch.where(real, tokens[:, 1], first)
+        top = out.logits[:, 0].argmax(-1)
+        drafted = (valid if valid is not None else torch.full_like(acc.length, tokens.shape[1])) - 1
+        # one device-to-host copy per round: what was accepted, and the statistics
+        packed = torch.cat([acc.length[:, None], acc.bonus[:, None], first[:, None], top[:, None],
+                            drafted[:, None], path_tokens], 1).tolist()
         new, commit = [], []
-        for b in range(B):
-            toks = paths[b][1:lengths[b]] + [bonus[b]]
-            r = 0 if done[b] else min(len(toks), max_new_tokens - len(emitted[b]))
-            for i, t in enumerate(toks[:r]):
-                if t in self.eos:
-                    r = i + 1
-                    break
+        for b, row in enumerate(packed):
+            length, bonus, path = row[0], row[1], row[5:]
+            toks = path[1:length] + [bonus]
+            r = 0 if done[b] else self._emit_count(toks, max_new_tokens - len(emitted[b]))
             new.append(toks[:r])
             commit.append(r)  # consumes the root and the first r - 1 accepted drafts
         length = torch.tensor(commit, device=tokens.device)
         target.commit(out.records, acc.path, length, delayed=self.delayed)
-        if self.drafter is not None:
-            hidden = {i: h[rows, acc.path] for i, h in out.hidden.items()}
-            self.drafter.extend(path_tokens, hidden, length)
-        ftm = None
-        if (draft.valid is None or int(draft.valid[0]) > 1) and draft.tokens.shape[1] > 1 \
-                and int(draft.parents[0, 1]) == 0:  # the drafter's own tensors
-            ftm = int(draft.tokens[0, 1]) == packed[0][2]
-        drafted = draft.size if draft.valid is None else int(draft.valid[0]) - 1
-        return new, RoundStats(drafted, lengths[0] - 1, 0, ftm)
+        hidden = {i: h[rows, acc.path] for i, h in out.hidden.items()}
+        self.drafter.extend(path_tokens, hidden, length)
+        first0, top0, drafted0 = packed[0][2:5]
+        return new, RoundStats(drafted0, packed[0][0] - 1, 0, None if first0 < 0 else first0 == top0)

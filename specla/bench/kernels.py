@@ -19,12 +19,9 @@ skipped, shapes are tiny and timings are meaningless: it only exercises the code
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -33,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from specla.bench.common import environment
 from specla.bench.trees import beam_tree, tree_stats
 
 TABLE1_SHAPES = [(2, 12, 16), (2, 24, 32), (4, 4, 16), (4, 4, 32), (4, 12, 16), (4, 24, 32)]
@@ -377,27 +375,6 @@ def goals(result: dict) -> dict:
     return g
 
 
-def _versions() -> dict:
-    import triton
-
-    try:
-        import fla as fla_pkg
-
-        fla = fla_pkg.__version__
-    except ImportError:
-        fla = None
-    return {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-            "fla": fla, "cuda": torch.version.cuda}
-
-
-def _commit_id() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).resolve().parent).stdout.strip()
-    except Exception:
-        return os.environ.get("SPECLA_COMMIT")
-
-
 def _print(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -516,9 +493,7 @@ def run(out_dir: str = "benchmarks/results", device: str = "cuda", quick: bool =
         return result[name]
 
     result = {
-        "device": torch.cuda.get_device_name(dev) if bench.cuda else platform.processor() or "cpu",
-        "versions": _versions(), "commit": _commit_id(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **environment(),
         "shape": {"H": bench.H, "HV": bench.HV, "K": bench.K, "V": bench.V, "layers": bench.layers,
                   "activations": str(bench.act), "state": "torch.float32"},
         "timing": "CUDA graph replay, median of triton.testing.do_bench (L2 flushed)" if bench.cuda else "CPU interpreter, meaningless",
