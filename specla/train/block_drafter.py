@@ -57,7 +57,7 @@ from specla.model import GatedDeltaNet, Model
 from specla.ops.conv import naive as conv_ref
 from specla.ops.reader import naive as reader_ref
 from specla.train.drafter import ResponseBatches, ResponseSet
-from specla.train.loop import RunClock
+from specla.train.loop import RunClock, save_checkpoint
 
 KINDS = ("dspark", "dspark-ft", "ready")
 # ReaDy Table 8: AdamW (0.9, 0.999), eps 1e-8, no weight decay; stage 1 lr 1e-4, stage 2 lr 5e-5
@@ -401,11 +401,9 @@ def train_block_drafter(target_dir, out_dir, data, kind: str = "dspark", init_fr
     def save() -> None:
         if not main:
             return
-        tmp = out / "ckpt.pt.tmp"
-        torch.save({"kind": kind, "stage": stage, "model_type": model.model_type, "config": dataclasses.asdict(model.cfg),
+        save_checkpoint({"kind": kind, "stage": stage, "model_type": model.model_type, "config": dataclasses.asdict(model.cfg),
                     "model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                    "train_seconds": train_seconds, "sequences_seen": seqs_seen, "total_steps": clock.total_steps}, tmp)
-        tmp.replace(ckpt_path)
+                    "train_seconds": train_seconds, "sequences_seen": seqs_seen, "total_steps": clock.total_steps}, ckpt_path)
 
     metrics, evaluated_at = {}, None
 

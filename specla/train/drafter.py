@@ -38,7 +38,7 @@ import torch.nn as nn
 from specla.drafters.eagle import EagleConfig, EagleDrafterModel, load_drafter, save_drafter
 from specla.model import Model
 from specla.train.dist import setup, wrap
-from specla.train.loop import RunClock
+from specla.train.loop import RunClock, save_checkpoint
 
 
 # --------------------------------------------------------------------------- prompts
@@ -393,11 +393,9 @@ def train_drafter(target_dir, out_dir, data, total_steps: int | None = None, tot
     def save() -> None:
         if not main:
             return
-        tmp = out / "ckpt.pt.tmp"
-        torch.save({"config": dataclasses.asdict(cfg), "model": drafter.state_dict(), "optimizer": opt.state_dict(),
+        save_checkpoint({"config": dataclasses.asdict(cfg), "model": drafter.state_dict(), "optimizer": opt.state_dict(),
                     "step": step, "train_seconds": train_seconds, "sequences_seen": seqs_seen,
-                    "total_steps": clock.total_steps}, tmp)
-        tmp.replace(ckpt_path)
+                    "total_steps": clock.total_steps}, ckpt_path)
 
     drafter.train()
     clock = RunClock(total_steps, total_minutes, max_minutes, checkpoint_minutes, dev, distributed)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 import torch
 
@@ -74,3 +75,11 @@ class RunClock:
             self.last_checkpoint = time.time()
             return True
         return False
+
+
+def save_checkpoint(state: dict, path) -> None:
+    """torch.save through a temporary file, so a run killed mid-write keeps the previous checkpoint."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from specla.config import ModelConfig
 from specla.model import Model
 from specla.train.dist import setup, wrap
-from specla.train.loop import RunClock
+from specla.train.loop import RunClock, save_checkpoint
 
 def demo_config(tokenizer) -> ModelConfig:
     """The shipped demo target: depth over width within the 28 MB budget (DESIGN §9)."""
@@ -138,11 +138,9 @@ def train_target(out_dir, corpus_dir, tokenizer_dir, config: ModelConfig | None 
     def save() -> None:
         if not main:
             return
-        tmp = out / "ckpt.pt.tmp"
-        torch.save({"config": dataclasses.asdict(cfg), "model": model.state_dict(), "optimizer": opt.state_dict(),
+        save_checkpoint({"config": dataclasses.asdict(cfg), "model": model.state_dict(), "optimizer": opt.state_dict(),
                     "step": step, "train_seconds": train_seconds, "tokens_seen": tokens_seen,
-                    "total_steps": clock.total_steps}, tmp)
-        tmp.replace(ckpt_path)
+                    "total_steps": clock.total_steps}, ckpt_path)
 
     model.train()
     clock = RunClock(total_steps, total_minutes, max_minutes, checkpoint_minutes, dev, distributed)
