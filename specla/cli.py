@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from specla.errors import SpeclaError
+from specla.errors import InputError, SpeclaError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Exact speculative decoding for Gated DeltaNet language models.")
@@ -91,13 +91,25 @@ def bench_e2e(
     dtype: str = typer.Option("auto"),
     max_minutes: Optional[float] = typer.Option(None, help="Stop after this long; the next call resumes."),
     name: str = typer.Option("e2e", help="Result file stem."),
+    shard: str = typer.Option("0/1", help="K/N: this process takes prompt indices i with i % N == K "
+                              "(one process per GPU); the summary reads every shard's records."),
+    summary_only: bool = typer.Option(False, "--summary-only", help="Only summarise the records found."),
     out: Path = typer.Option(Path("benchmarks/results")),
 ):
     """End-to-end speedup, accepted length, first-token match and exact match on real prompts (Fig 9)."""
-    from specla.bench.e2e import run
+    from specla.bench.e2e import ROUTES, SUITES, run
 
+    bad = sorted(set(routes.split(",")) - set(ROUTES)) + sorted(set(suites.split(",")) - set(SUITES))
+    if bad:
+        raise InputError(f"unknown route or suite {bad}: routes {ROUTES}, suites {SUITES}")
+    try:
+        k, n = (int(x) for x in shard.split("/"))
+        assert 0 <= k < n
+    except (ValueError, AssertionError):
+        raise InputError(f"--shard {shard!r}: expected K/N with 0 <= K < N") from None
     run(model, tuple(suites.split(",")), tuple(routes.split(",")), limit=limit, fla_limit=fla_limit,
-        max_new_tokens=max_new_tokens, device=device, dtype=dtype, out_dir=out, name=name, max_minutes=max_minutes)
+        max_new_tokens=max_new_tokens, device=device, dtype=dtype, out_dir=out, name=name, max_minutes=max_minutes,
+        shard=(k, n), summary_only=summary_only)
 
 
 @bench_app.command("decode")
@@ -257,16 +269,33 @@ def data_responses(
     batch_size: int = typer.Option(128),
     max_minutes: Optional[float] = typer.Option(None),
     graphs: bool = typer.Option(False, "--graphs/--no-graphs"),
+    shard: str = typer.Option("0/1", help="K/N: every N-th prompt from the K-th (parallel collection; "
+                              "join with `specla data merge-responses`)."),
     device: str = typer.Option("auto"),
     dtype: str = typer.Option("auto"),
 ):
     """The target's greedy responses to training prompts (the drafter's training data)."""
     from specla.train.drafter import collect_responses
 
+    try:
+        k, n = (int(x) for x in shard.split("/"))
+    except ValueError:
+        raise InputError(f"--shard {shard!r}: expected K/N, e.g. 0/2") from None
     typer.echo(json.dumps(collect_responses(
         target, out, n_prompts=n_prompts, max_new_tokens=max_new_tokens, corpus_dir=corpus,
         gsm8k_share=gsm8k_share, max_prompt_tokens=max_prompt_tokens, batch_size=batch_size,
-        max_minutes=max_minutes, graphs=graphs, device=device, dtype=dtype)))
+        max_minutes=max_minutes, graphs=graphs, shard=(k, n), device=device, dtype=dtype)))
+
+
+@data_app.command("merge-responses")
+def data_merge_responses(
+    out: Path = typer.Option(..., help="Output .npz."),
+    inputs: list[Path] = typer.Argument(..., help="Response files to join."),
+):
+    """Join response files (the shards of a parallel collection) into one."""
+    from specla.train.drafter import merge_responses
+
+    typer.echo(json.dumps(merge_responses(out, inputs)))
 
 
 @data_app.command("corpus")

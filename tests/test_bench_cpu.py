@@ -88,3 +88,30 @@ def test_noisy_oracle_main_line():
 @pytest.mark.parametrize("p,L", [(0.7, 5), (0.9, 12)])
 def test_expected_tau(p, L):
     assert controlled.expected_tau(p, L) == pytest.approx(sum(p ** k for k in range(L + 1)))
+
+
+def test_e2e_shards_resume_and_summary(tmp_path):
+    """Two shards of the demo pair on CPU, one cut short and resumed; the summary of every
+    record compares routes on matched prompts, and each route's tokens are AR's."""
+    from specla.bench import e2e
+    from specla.data.suites import load_suite
+
+    kw = dict(suites=("gsm8k", "humaneval"), routes=("ar", "chain", "ngram"), limit=3, max_new_tokens=6,
+              device="cpu", dtype="float32", out_dir=tmp_path)
+    e2e.run(**kw, shard=(0, 2), max_minutes=0.0)  # stops before its first generation
+    assert (tmp_path / "e2e.records.0of2.jsonl").read_text() == ""
+    e2e.run(**kw, shard=(0, 2))
+    e2e.run(**kw, shard=(1, 2))
+    res = e2e.run(**kw, summary_only=True)
+    data = json.loads((tmp_path / "e2e.json").read_text())
+    assert data["device"] == "cpu" and data["dtype"] == "float32" and (tmp_path / "e2e.png").stat().st_size > 0
+    for suite in ("gsm8k", "humaneval"):
+        assert data["suites"][suite]["ar"]["prompts"] == 3
+        for route in ("chain", "ngram"):
+            s = res["suites"][suite][route]
+            assert s["prompts"] == 3 and s["exact_match_rate"] == 1.0 and s["mean_accepted_length"] >= 1
+            lo, hi = s["speedup_ci95"]
+            assert lo <= s["speedup"] <= hi
+    lines = [json.loads(x) for f in sorted(tmp_path.glob("e2e.records.*.jsonl")) for x in f.read_text().splitlines()]
+    assert len(lines) == 2 * 3 * 3  # suites x prompts x routes, each once
+    assert {r["id"] for r in lines if r["suite"] == "gsm8k"} == {p.id for p in load_suite("gsm8k", limit=3)}

@@ -21,8 +21,8 @@ from specla.drafters import tree
 from specla.drafters.eagle import (EagleConfig, EagleDrafter, EagleDrafterModel, find_drafter, load_drafter,
                                    save_drafter)
 from specla.errors import CheckpointError, InputError
-from specla.train.drafter import (ResponseSet, collect_responses, generate_responses, opening_turns,
-                                  save_responses, train_drafter)
+from specla.train.drafter import (ResponseSet, collect_responses, generate_responses, merge_responses,
+                                  opening_turns, save_responses, train_drafter)
 
 from conftest import random_model, tiny_config
 from test_exactness import assert_same_state, make_prompt
@@ -339,6 +339,16 @@ def test_collect_responses(tmp_path):
         seq, n = data.sequence(i).tolist(), int(data.prompt_len[i])
         assert seq[:3] == [0, 4, 204] and len(seq) == n + 6 and n <= 40  # the chat header survives cuts
         assert seq[n:] == Decoder(tok_model).run(torch.tensor([seq[:n]]), 6)[0][0]
+    # two shards of the same collection, merged, hold the same sequences
+    for k in range(2):
+        collect_responses(tmp_path / "target", tmp_path / f"part{k}.npz", n_prompts=5, max_new_tokens=6,
+                          corpus_dir=corpus, gsm8k_share=0.4, max_prompt_tokens=40, batch_size=2, shard=(k, 2),
+                          progress=False)
+    merged = merge_responses(tmp_path / "merged.npz", [tmp_path / "part0.npz", tmp_path / "part1.npz"])
+    both = ResponseSet(tmp_path / "merged.npz")
+    assert merged["sequences"] == len(both) == 5
+    assert sorted(tuple(both.sequence(i).tolist()) for i in range(5)) == \
+        sorted(tuple(data.sequence(i).tolist()) for i in range(5))
 
 
 def test_sampling_is_lossless():

@@ -9,7 +9,10 @@ prompts, beside mean accepted length (τ: tokens per round), first-token match a
 fraction of prompts whose output equals AR's exactly.
 
 Every finished (suite, route, prompt) is appended to a JSONL log next to the results, so a
-call that runs out of time resumes where it stopped.
+call that runs out of time resumes where it stopped. Prompts run in index order across suites
+(prompt i of every suite, every route, before prompt i + 1), so a partial run compares the
+routes on the same prompts; `shard` splits the indices between processes (one per GPU), and
+the summary reads every shard's log.
 """
 
 from __future__ import annotations
@@ -113,54 +116,95 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def run(model_dir=None, suites=SUITES, routes=ROUTES, limit: int | None = None, fla_limit: int = 160,
-        max_new_tokens: int = 128, device: str = "auto", dtype: str = "auto", out_dir=RESULTS,
-        name: str = "e2e", max_minutes: float | None = None) -> dict:
-    from tqdm import tqdm
-
-    import specla.api as api
-    from specla.data.suites import load_suite
-
-    start = time.time()
-    lm = api.load(model_dir, device=device, dtype=dtype)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    log_path = out_dir / f"{name}.records.jsonl"
+def _load_records(out_dir: Path, name: str) -> dict:
+    """suite -> route -> prompt id -> record, from every records file of this benchmark
+    (one per shard)."""
     records: dict = {}
-    if log_path.is_file():
-        for line in log_path.read_text().splitlines():
+    for path in sorted(out_dir.glob(f"{name}.records*.jsonl")):
+        for line in path.read_text().splitlines():
             r = json.loads(line)
             records.setdefault(r["suite"], {}).setdefault(r["route"], {})[r["id"]] = r
-    warm = lm.generate("warm up", route="tree", max_new_tokens=8)  # compile and capture outside the timings
-    del warm
-    stopped = False
-    with open(log_path, "a") as log:
+    return records
+
+
+def _work(suites, routes, limit, fla_limit, shard):
+    """(index, suite, prompt, route) in the order they run: prompt index outermost, so a run cut
+    short has the same prompts done for every suite and route; shard (k, n) keeps indices
+    i with i % n == k."""
+    from specla.data.suites import load_suite
+
+    prompts = {s: load_suite(s, limit=limit) for s in suites}
+    k, n = shard
+    for i in range(k, max(len(p) for p in prompts.values()), n):
         for suite in suites:
-            prompts = load_suite(suite, limit=limit)
-            for route in routes:
-                todo = prompts[:fla_limit] if route == "fla" else prompts
-                done = records.get(suite, {}).get(route, {})
-                for p in tqdm([p for p in todo if p.id not in done], desc=f"{suite}/{route}", unit="prompt"):
-                    if max_minutes is not None and time.time() - start > max_minutes * 60:
-                        stopped = True
-                        break
-                    t0 = time.perf_counter()
-                    g = lm.generate(p.turns[0], max_new_tokens=max_new_tokens, **_route_kwargs(route))
-                    if lm.model.device.type == "cuda":
-                        torch.cuda.synchronize()
-                    rec = {"suite": suite, "route": route, "id": p.id, "seconds": time.perf_counter() - t0,
-                           "decode_seconds": g.decode_seconds, "tokens": g.tokens, "rounds": g.rounds,
-                           "mean_accepted_length": g.mean_accepted_length,
-                           "first_token_match": g.to_dict()["first_token_match"]}
-                    log.write(json.dumps(rec) + "\n")
-                    log.flush()
-                    records.setdefault(suite, {}).setdefault(route, {})[p.id] = rec
-    result = {"dtype": str(lm.model.dtype).replace("torch.", ""), "model": str(lm.model_dir),
-              "max_new_tokens": max_new_tokens, "complete": not stopped,
-              "suites": {s: {r: _summarise(records.get(s, {}), r) for r in routes if r != "ar"}
-                         for s in suites}}
+            if i < len(prompts[suite]):
+                for route in routes:
+                    if route != "fla" or i < fla_limit:
+                        yield i, suite, prompts[suite][i], route
+
+
+def summarise(out_dir, name: str, suites, routes, max_new_tokens: int, complete: bool, extra=None) -> dict:
+    """Summary over every record found (all shards); writes <name>.json and <name>.png."""
+    out_dir = Path(out_dir)
+    records = _load_records(out_dir, name)
+    devices = sorted({r.get("device") for s in records.values() for rt in s.values() for r in rt.values()} - {None})
+    dtypes = sorted({r.get("dtype") for s in records.values() for rt in s.values() for r in rt.values()} - {None})
+    result = {"max_new_tokens": max_new_tokens, "complete": complete, **(extra or {}),
+              "suites": {s: {r: _summarise(records.get(s, {}), r) for r in routes if r != "ar"} for s in suites}}
+    if devices:
+        result["device"] = devices[0] if len(devices) == 1 else devices
+    if dtypes:
+        result["dtype"] = dtypes[0] if len(dtypes) == 1 else dtypes
     for s in suites:
         result["suites"][s]["ar"] = {"prompts": len(records.get(s, {}).get("ar", {})), "speedup": 1.0}
     path = write_results(name, result, out_dir)
     plot(json.loads(path.read_text()), out_dir / f"{name}.png")
     return result
+
+
+def run(model_dir=None, suites=SUITES, routes=ROUTES, limit: int | None = None, fla_limit: int = 160,
+        max_new_tokens: int = 128, device: str = "auto", dtype: str = "auto", out_dir=RESULTS,
+        name: str = "e2e", max_minutes: float | None = None, shard: tuple[int, int] = (0, 1),
+        summary_only: bool = False) -> dict:
+    """Generate what is not yet recorded (this shard's prompts), then summarise every record.
+    summary_only: no generation (e.g. after shards ran on several GPUs or calls)."""
+    from tqdm import tqdm
+
+    import specla.api as api
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if summary_only:
+        return summarise(out_dir, name, suites, routes, max_new_tokens, complete=False)
+    start = time.time()
+    lm = api.load(model_dir, device=device, dtype=dtype)
+    dev = lm.model.device
+    k, n = shard
+    log_path = out_dir / (f"{name}.records.jsonl" if n == 1 else f"{name}.records.{k}of{n}.jsonl")
+    records = _load_records(out_dir, name)
+    todo = [w for w in _work(suites, routes, limit, fla_limit, shard)
+            if w[2].id not in records.get(w[1], {}).get(w[3], {})]
+    for route in routes:  # compile kernels and capture graphs outside the timings
+        lm.generate("warm up", max_new_tokens=16, **_route_kwargs(route))
+    stopped = False
+    device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    with open(log_path, "a") as log:
+        for _, suite, p, route in tqdm(todo, desc=f"e2e shard {k}/{n}", unit="generation"):
+            if max_minutes is not None and time.time() - start > max_minutes * 60:
+                stopped = True
+                break
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            g = lm.generate(p.turns[0], max_new_tokens=max_new_tokens, **_route_kwargs(route))
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            rec = {"suite": suite, "route": route, "id": p.id, "seconds": time.perf_counter() - t0,
+                   "decode_seconds": g.decode_seconds, "tokens": g.tokens, "rounds": g.rounds,
+                   "mean_accepted_length": g.mean_accepted_length,
+                   "first_token_match": g.to_dict()["first_token_match"],
+                   "device": device_name, "dtype": str(lm.model.dtype).replace("torch.", "")}
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+    return summarise(out_dir, name, suites, routes, max_new_tokens, complete=not stopped and n == 1,
+                     extra={"model": str(lm.model_dir), "shard": [k, n]})

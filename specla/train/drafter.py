@@ -158,6 +158,24 @@ def save_responses(path, prompts: list[list[int]], responses: list[list[int]], s
     return path
 
 
+def merge_responses(out_file, inputs) -> dict:
+    """Join response files (e.g. the shards of one collection) into one; metadata keeps each
+    input's."""
+    sets = [ResponseSet(p) for p in inputs]
+    if not sets:
+        raise ValueError("no response files to merge")
+    prompts, responses, sources = [], [], []
+    for rs in sets:
+        for i in range(len(rs)):
+            seq, n = rs.sequence(i).tolist(), int(rs.prompt_len[i])
+            prompts.append(seq[:n])
+            responses.append(seq[n:])
+            sources.append(str(rs.source[i]))
+    meta = {**sets[0].meta, "merged": [rs.meta for rs in sets]}
+    save_responses(out_file, prompts, responses, sources, meta)
+    return {"file": str(out_file), "sequences": len(prompts), "response_tokens": sum(map(len, responses))}
+
+
 class ResponseSet:
     """A dataset written by `save_responses`."""
 
@@ -218,8 +236,12 @@ class ResponseBatches:
 def collect_responses(target_dir, out_file, n_prompts: int = 8192, max_new_tokens: int = 256,
                       corpus_dir=".corpus", gsm8k_share: float = 0.3, max_prompt_tokens: int = 384,
                       batch_size: int = 128, max_cut: int = 16, seed: int = 0, device: str = "auto", dtype: str = "auto",
-                      max_minutes: float | None = None, graphs: bool = False, progress: bool = True) -> dict:
+                      max_minutes: float | None = None, graphs: bool = False, shard: tuple[int, int] = (0, 1),
+                      progress: bool = True) -> dict:
     """Generate the target's greedy responses to training prompts; write them to out_file (.npz).
+
+    shard (k, n): only every n-th prompt from the k-th, so n processes (on one GPU or several)
+    share the work; `merge_responses` joins their files.
 
     Decoding is launch-bound at these sizes, so a batch of 128 costs about what one row does
     per step. graphs: CUDA graphs for the AR steps (several times faster on a GPU than eager).
@@ -233,14 +255,17 @@ def collect_responses(target_dir, out_file, n_prompts: int = 8192, max_new_token
     model = load_model(target_dir, device=dev, dtype=resolve_dtype(dtype, dev))
     tok = load_tokenizer(target_dir)
     header = chat_header(tok)
-    picked = training_prompts(corpus_dir, n_prompts, gsm8k_share, seed)
+    k, n = shard
+    if not 0 <= k < n:
+        raise ValueError(f"shard {k}/{n}: need 0 <= k < n")
+    picked = training_prompts(corpus_dir, n_prompts, gsm8k_share, seed)[k::n]
     prompts = [cut(tok.apply_chat_template(turns), max_prompt_tokens, header) for _, turns in picked]
     eos = tok.eos_token_ids | set(model.cfg.eos_token_id)
     done = generate_responses(model, prompts, max_new_tokens, eos, batch_size=batch_size, max_cut=max_cut, header=header,
                               max_minutes=max_minutes, graphs=graphs, seed=seed, progress=progress)
     meta = {"target": str(target_dir), "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
             "dtype": str(model.dtype), "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-            "seed": seed, "seconds": round(time.time() - t0, 1)}
+            "seed": seed, "shard": [k, n], "seconds": round(time.time() - t0, 1)}
     save_responses(out_file, [p for _, p, _ in done], [r for _, _, r in done], [picked[i][0] for i, _, _ in done], meta)
     n_resp = sum(len(r) for _, _, r in done)
     return {"file": str(out_file), "sequences": len(done), "prompts_asked": len(prompts),
