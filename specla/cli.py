@@ -236,14 +236,22 @@ def bench_ready(
     device: str = typer.Option("cuda"),
     quick: bool = typer.Option(False, help="Smoke test: 1 prompt per suite, 16 tokens (random drafters if none)."),
     max_minutes: Optional[float] = typer.Option(None, help="Stop starting generations after this; re-run resumes."),
+    rows: str = typer.Option("dspark,dspark_ft,ready", help="Standard rows to run beside ar (ablation runs: fewer)."),
+    name: Optional[str] = typer.Option(None, help="Result file stem (default ready)."),
+    operator: bool = typer.Option(True, "--operator/--no-operator", help="Time the fused state-reader operator."),
     out: Path = typer.Option(Path("benchmarks/results")),
 ):
     """ReaDy vs DSpark: TPS, x AR, tau, survival curves, fused state-reader latency (ready.json/.png)."""
-    from specla.bench.ready import run
+    from specla.bench.ready import ROWS, run
 
+    picked = tuple(r for r in rows.split(",") if r)
+    if set(picked) - set(ROWS):
+        raise InputError(f"--rows {rows!r}: choose from {', '.join(ROWS)}")
+    if any("=" not in v for v in variant):
+        raise InputError("--variant takes NAME=DIR")
     run(model, dspark, dspark_ft, ready, dict(v.split("=", 1) for v in variant),
         tuple(s for s in suites.split(",") if s), n_prompts, max_new_tokens, device, threshold=threshold,
-        quick=quick, max_minutes=max_minutes, out_dir=out)
+        operator=operator, quick=quick, max_minutes=max_minutes, out_dir=out, rows=picked, name=name)
 
 
 @train_app.command("card")

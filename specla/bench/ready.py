@@ -264,7 +264,7 @@ def run(target=None, dspark=None, dspark_ft=None, ready=None, variants: dict | N
         suites=SUITES, n_prompts: int | None = 80, max_new_tokens: int = 256, device: str = "cuda",
         dtype: str = "auto", graphs: bool | None = None, threshold: float = 0.0, delayed: bool = True,
         operator: bool = True, quick: bool = False, max_minutes: float | None = None, out_dir=RESULTS,
-        progress: bool = True) -> dict:
+        progress: bool = True, rows=ROWS, name: str | None = None) -> dict:
     """Run the benchmark; returns (and writes) the result dict. Drafter directories default to
     <target>/dspark, <target>/dspark-ft, <target>/ready; missing ones are skipped (quick mode:
     random drafters instead, so the smoke test runs anywhere)."""
@@ -281,10 +281,10 @@ def run(target=None, dspark=None, dspark_ft=None, ready=None, variants: dict | N
     lm = api.load(target, device=device, dtype=dtype)
     dev = lm.model.device
     graphs = dev.type == "cuda" if graphs is None else graphs
-    stem = "ready" if dev.type == "cuda" else "ready_cpu_smoke"
+    stem = name or ("ready" if dev.type == "cuda" else "ready_cpu_smoke")
     paths = {"dspark": dspark, "dspark_ft": dspark_ft, "ready": ready}
     used, drafters = {}, {}
-    for row in ROWS:
+    for row in rows:
         path = paths[row] or find_block_drafter(lm.model_dir, DIRS[row])
         if path is None and not quick:
             continue
@@ -354,11 +354,14 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--max-minutes", type=float, default=None)
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--rows", default=",".join(ROWS), help="which of the standard rows to run (besides ar)")
+    ap.add_argument("--name", default=None, help="result file stem (default: ready)")
     a = ap.parse_args(argv)
     run(a.target, a.dspark, a.dspark_ft, a.ready, dict(v.split("=", 1) for v in a.variant),
         tuple(s for s in a.suites.split(",") if s), a.n_prompts, a.max_new_tokens, a.device,
         graphs=False if a.no_graphs else None, threshold=a.threshold, delayed=not a.immediate_commit,
-        operator=not a.no_operator, quick=a.quick, max_minutes=a.max_minutes, out_dir=a.out)
+        operator=not a.no_operator, quick=a.quick, max_minutes=a.max_minutes, out_dir=a.out,
+        rows=tuple(r for r in a.rows.split(",") if r), name=a.name)
 
 
 if __name__ == "__main__":
