@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
-# One call on the H200 device machine: `bash benchmarks/h200.sh STEP...`, run from the repo
-# root, with `.whl` (fla wheels) and `.corpus` carried. Each step is bounded by its own
-# timeout so one failure does not eat the call. At most 8 files come back, so the model
-# shards go to $OUT as they are and everything else in one results.tgz.
+# One lane of a call on the H200 device machine: `LANE=a bash benchmarks/h200.sh STEP...`,
+# run from the repo root, with `.whl` (fla wheels), `.corpus` (when collecting responses) and
+# `.run` (earlier runs' data) carried. On a two-GPU machine run two lanes side by side, each
+# with its own CUDA_VISIBLE_DEVICES. Each step is bounded by its own timeout so one failure
+# does not eat the call. At most 8 files come back: each lane packs its logs and results in
+# results-$LANE.tgz after every step; trained drafters come back as one .tgz each.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 SPECLA_COMMIT=${SPECLA_COMMIT:-unknown}
+LANE=${LANE:-a}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-STAGE=/tmp/specla-stage; rm -rf "$STAGE"; mkdir -p "$STAGE"
+STAGE=/tmp/specla-stage-$LANE; rm -rf "$STAGE"; mkdir -p "$STAGE"
 if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  mkdir -p /tmp/site-lock
+  ( flock 9; [ -f /tmp/site/.done ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --upgrade --target /tmp/site .whl/*.whl && touch /tmp/site/.done; } ) 9>/tmp/site-lock/lock
   export PYTHONPATH=/tmp/site:$PWD
 else
   export PYTHONPATH=$PWD
 fi
 RUN=/tmp/specla-run
+BD=/tmp/block-drafters
+SPECLA=${SPECLA:-python3 -m specla.cli}
 
 smoke() {  # the versions there differ from CI's (DESIGN §9)
   python3 - <<'PY'
@@ -36,35 +43,86 @@ train() {  # train MINUTES [TOTAL_MINUTES]
   cp "$RUN"/export/*.safetensors "$OUT"/
 }
 
-responses() {  # responses MINUTES: the demo target's own answers, the drafter's data
-  timeout $(( ${1%.*} * 60 + 120 )) python3 -m specla.cli data responses --target specla/models/demo \
-    --out /tmp/responses.npz --corpus .corpus --max-minutes "$1" --no-graphs
-  cp /tmp/responses.npz "$STAGE"/
+responses() {  # responses MINUTES SHARDS: the demo target's own answers (the drafters' data),
+  # SHARDS processes side by side on this lane's GPU (eager decoding leaves it mostly idle)
+  local n=${2:-1} k
+  for k in $(seq 0 $((n - 1))); do
+    timeout $(( ${1%.*} * 60 + 150 )) $SPECLA data responses --target specla/models/demo --out /tmp/responses.$k.npz \
+      --corpus .corpus --max-minutes "$1" --no-graphs --batch-size 256 --shard "$k/$n" > "$STAGE/responses.$k.log" 2>&1 &
+  done
+  wait
+  $SPECLA data merge-responses --out /tmp/responses.npz /tmp/responses.*.npz
+  tail -n 1 "$STAGE"/responses.*.log
+  cp /tmp/responses.npz "$OUT"/
+}
+
+pack() {  # pack NAME DIR: a trained export comes back as $OUT/NAME.tgz
+  [ -d "$2/export" ] && cp "$2"/train_log.jsonl "$2/export/" && tar czf "$OUT/$1.tgz" -C "$2/export" .
 }
 
 drafter() {  # drafter MINUTES: train the EAGLE drafter of the demo target
-  timeout $(( ${1%.*} * 60 + 120 )) python3 -m specla.cli train drafter --target specla/models/demo \
-    --data /tmp/responses.npz --out /tmp/drafter-run --max-minutes "$1" --total-minutes "$1"
-  mkdir -p "$STAGE/drafter"
-  cp /tmp/drafter-run/train_log.jsonl /tmp/drafter-run/export/* "$STAGE/drafter/"
+  timeout $(( ${1%.*} * 60 + 120 )) $SPECLA train drafter --target specla/models/demo \
+    --data /tmp/responses.npz --out /tmp/drafter-run --max-minutes "$1" --total-minutes "$1" > "$STAGE/drafter.log" 2>&1
+  pack drafter /tmp/drafter-run
 }
 
-bench() {  # bench NAME [ARGS...]
+block() {  # block NAME MINUTES ARGS...: one block-drafter training run, log in the stage
+  local name=$1 mins=$2; shift 2
+  timeout $(( ${mins%.*} * 60 + 120 )) $SPECLA train block-drafter --target specla/models/demo --data /tmp/responses.npz \
+    --out "$BD/$name" --max-minutes "$mins" --total-minutes "$mins" "$@" > "$STAGE/$name.log" 2>&1
+  tail -n 1 "$STAGE/$name.log"
+}
+
+blocks() {  # blocks DSPARK_MIN ADAPT_MIN: DSpark from scratch, then ReaDy (stage 1 and 2, half
+  # the adaptation time each) beside the fine-tuned control (the whole adaptation time)
+  local half; half=$(python3 -c "print($2 / 2)")
+  block dspark "$1" --kind dspark
+  ( block ready1 "$half" --kind ready --stage 1 --init-from "$BD/dspark/export" &&
+    block ready "$half" --kind ready --stage 2 --init-from "$BD/ready1/export" ) &
+  block dspark-ft "$2" --kind dspark-ft --init-from "$BD/dspark/export" &
+  wait
+  for n in dspark ready dspark-ft; do pack "$n" "$BD/$n"; done
+}
+
+ablate() {  # ablate MINUTES: ReaDy stage-1 variants from the committed DSpark, side by side,
+  # the default reader among them so every row trained under the same conditions
+  local m=$1 v
+  declare -A variants=([s1-default]="" [rank16]="--reader-rank 16" [rank32]="--reader-rank 32"
+    [rankfull]="--reader-rank full" [src-low]="--source-layers 2" [src-mid]="--source-layers 6"
+    [src-last]="--source-layers 11" [src-low-last]="--source-layers 2,11" [inject-first]="--inject-layers 0"
+    [inject-both]="--inject-layers 0,1" [site-pre]="--inject-site pre")
+  for v in "${!variants[@]}"; do
+    # shellcheck disable=SC2086
+    block "abl-$v" "$m" --kind ready --stage 1 --init-from specla/models/demo/dspark ${variants[$v]} &
+  done
+  wait
+  tar czf "$OUT/ablations.tgz" -C "$BD" $(cd "$BD" && ls -d abl-*/export)
+}
+
+bench() {  # bench NAME [ARGS...]; earlier records of a resumable bench travel in .run/NAME
   local name=$1; shift
-  timeout "${BENCH_TIMEOUT:-420}" python3 -m specla.cli bench "$name" "$@" --out "$STAGE" 2>&1 | tee "$STAGE/bench-$name.log"
+  [ -d ".run/$name" ] && cp -r ".run/$name/." "$STAGE"/
+  timeout "${BENCH_TIMEOUT:-420}" $SPECLA bench "$name" "$@" --out "$STAGE" 2>&1 | tee "$STAGE/bench-$name.log"
 }
 
+[ -f .run/responses.npz ] && cp .run/responses.npz /tmp/responses.npz
 for step in "$@"; do
   echo "=== $step $(date +%T)"
   case $step in
     smoke) smoke ;;
     train:*) IFS=: read -r _ mins total <<<"$step"; train "$mins" "$total" ;;
-    responses:*) responses "${step#responses:}" ;;
+    responses:*) IFS=: read -r _ mins n <<<"$step"; responses "$mins" "$n" ;;
     drafter:*) drafter "${step#drafter:}" ;;
-    bench:*) bench "${step#bench:}" ;;
+    blocks:*) IFS=: read -r _ a b <<<"$step"; blocks "$a" "$b" ;;
+    ablate:*) ablate "${step#ablate:}" ;;
+    bench:*) IFS=: read -r _ name secs args <<<"$step"  # bench:NAME[:SECONDS[:ARG,ARG,...]]
+      BENCH_TIMEOUT=${secs:-${BENCH_TIMEOUT:-420}} bench "$name" ${args//,/ } ;;
+    train-bg:*) IFS=: read -r _ what mins <<<"$step"; "$what" "$mins" & BG=$! ;;  # in the background, joined at the end
     *) echo "unknown step $step" ;;
   esac
-  tar czf "$OUT/results.tgz" -C "$STAGE" .  # after every step: a call cut short keeps what finished
+  tar czf "$OUT/results-$LANE.tgz" -C "$STAGE" .  # after every step: a call cut short keeps what finished
 done
+[ -n "${BG:-}" ] && wait "$BG"
+tar czf "$OUT/results-$LANE.tgz" -C "$STAGE" .
 echo "=== done $(date +%T)"
 ls -la "$OUT" "$STAGE"
