@@ -117,12 +117,16 @@ def bench_decode(
     shapes: str = typer.Option("gdn-1.3b-paper,gdn-1.3b-paper-hybrid", help="Comma-separated named shapes."),
     new_tokens: int = typer.Option(32),
     rounds: int = typer.Option(30),
+    device: str = typer.Option("cuda", help="cuda | cuda:N"),
+    profile: bool = typer.Option(False, "--profile", help="Also profile ~5 eager AR steps and 16-node rounds "
+                                 "per shape (kernels per step, GPU time, top kernels; plain and fused)."),
     out: Path = typer.Option(Path("benchmarks/results")),
 ):
     """AR ms/token (eager and CUDA graphs) and one 16-node speculative round, at named shapes (GPU)."""
     from specla.bench.decode import run
 
-    run(tuple(s for s in shapes.split(",") if s), new_tokens=new_tokens, rounds=rounds, out_dir=out)
+    run(tuple(s for s in shapes.split(",") if s), new_tokens=new_tokens, rounds=rounds, out_dir=out,
+        profile=profile, device=device)
 
 
 @bench_app.command("controlled")

@@ -5,6 +5,11 @@ Per shape (random bf16 weights, fp32 state): AR time per token through the decod
 bandwidth; one speculative round on a 16-draft-node beam tree (verify + greedy acceptance +
 the host read of what was accepted + commit; `round16_ms`); and whether the graph path emits
 the same tokens as the eager path (AR and an n-gram tree route).
+
+`profile=True` (`--profile`) adds, per shape, a torch.profiler view of ~5 eager AR steps and
+~5 eager 16-node rounds (verify + acceptance + delayed commit): kernels launched per step, GPU
+kernel time per step and the top kernels by time (row key "profile"; plain path, and the
+fused one when SPECLA_COMPILE is set).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from specla.bench.common import RESULTS, copy_bandwidth, write_results
 from specla.bench.trees import beam_tree
 from specla.decode import Decoder
 from specla.drafters.ngram import NgramDrafter
-from specla.engine import GraphTarget
+from specla.engine import EagerTarget, GraphTarget
 from specla.shapes import random_model
 
 
@@ -38,12 +43,12 @@ def _time_rounds(model, prompt, parents, rounds: int, delayed: bool = True) -> f
     times = []
     for i in range(rounds + 3):
         tokens = torch.randint(0, model.cfg.vocab_size, (1, n), device=model.device, generator=g)
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(model.device)
         t0 = time.perf_counter()
         out, acc = tgt.verify(tokens, par)
         accepted = acc.length.tolist()  # the loop's one host read per round
         tgt.commit(out.records, acc.path, torch.tensor(accepted, device=model.device), delayed)
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(model.device)
         if i >= 3:
             times.append((time.perf_counter() - t0) * 1e3)
     return sorted(times)[len(times) // 2]
@@ -63,7 +68,7 @@ def _time_ar_steps(model, prompt, steps: int) -> float:
     root = torch.tensor([prompt[-1]], device=model.device)
     times = []
     for i in range(steps + 3):
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(model.device)
         t0 = time.perf_counter()
         nxt = tgt.step(root).argmax(-1)
         root = torch.tensor(nxt.tolist(), device=model.device)
@@ -72,15 +77,146 @@ def _time_ar_steps(model, prompt, steps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _is_gpu(dev) -> bool:
+    return dev is not None and "CUDA" in str(dev).upper()
+
+
+def _gpu_events(prof) -> list[tuple[str, float]]:
+    """(name, µs) of every GPU activity (kernels, memsets, memcpys) the profiler recorded:
+    from kineto's raw events if reachable, else from the parsed FunctionEvents; names may be
+    missing ('?')."""
+    out = []
+    try:
+        for e in prof.profiler.kineto_results.events():
+            if _is_gpu(e.device_type()):
+                dur = e.duration_ns() / 1e3 if hasattr(e, "duration_ns") else float(e.duration_us())
+                out.append((str(e.name() or "?"), float(dur)))
+        if out:
+            return out
+    except Exception:  # noqa: BLE001 - private API; fall back to the parsed events
+        out = []
+    for e in prof.events() or []:
+        if not _is_gpu(getattr(e, "device_type", None)):
+            continue
+        tr = getattr(e, "time_range", None)
+        us = float(tr.end - tr.start) if tr is not None else float(getattr(e, "device_time", 0.0) or 0.0)
+        out.append((str(getattr(e, "name", None) or "?"), us))
+    return out
+
+
+def _profile_fn(fn, steps: int, device) -> dict:
+    """Profile `steps` calls of fn (CUDA activities): per-step kernel count, GPU time, top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()  # warm (compiles, plans, allocator)
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize(device)
+    events = _gpu_events(prof)
+    agg: dict = {}
+    for name, us in events:
+        c = agg.setdefault(name, [0, 0.0])
+        c[0] += 1
+        c[1] += us
+    top = sorted(agg.items(), key=lambda kv: -kv[1][1])[:15]
+    mem = sum(n for name, (n, _) in agg.items() if name.lower().startswith(("memset", "memcpy")))
+    return {
+        "steps": steps,
+        "kernels_per_step": len(events) / steps,
+        "memset_memcpy_per_step": mem / steps,
+        "gpu_us_per_step": sum(us for _, us in events) / steps,
+        "distinct_kernels": len(agg),
+        "top": [{"name": name[:90], "count_per_step": n / steps, "us_per_step": us / steps}
+                for name, (n, us) in top],
+        **({} if events else {"note": "the profiler recorded no GPU activity (CUPTI unavailable?)"}),
+    }
+
+
+def _profile_shape(model, prompt, parents, steps: int = 5) -> dict:
+    """Eager AR steps and eager 16-node rounds (delayed commit) under torch.profiler, for the
+    plain path and, when the model is fused, the fused one."""
+    dev = model.device
+    fused = getattr(model, "_fused", None)
+    n = len(parents)
+    paths = {"plain": None} | ({"fused": fused} if fused is not None else {})
+    out = {}
+    for label, fz in paths.items():
+        res = {}
+        try:
+            ar = EagerTarget(model, 1, len(prompt) + 4 * steps + 64)
+            model._fused = fz  # after the target is built: it may fuse the model itself
+            ar.prefill(torch.tensor([prompt[:-1]], device=dev))
+            root = torch.tensor([prompt[-1]], device=dev)
+            res["ar_step"] = _profile_fn(lambda: ar.step(root), steps, dev)
+            del ar
+            model._fused = fused  # as built: a target fuses an unfused model under SPECLA_COMPILE
+            tgt = EagerTarget(model, 1, len(prompt) + 4 * (steps + 1) * n + 64)
+            model._fused = fz
+            tgt.prefill(torch.tensor([prompt[:-1]], device=dev))
+            par = torch.tensor([parents], device=dev)
+            tokens = torch.randint(0, model.cfg.vocab_size, (1, n), device=dev,
+                                   generator=torch.Generator(device=dev).manual_seed(0))
+
+            def round_():
+                o, acc = tgt.verify(tokens, par)
+                length = torch.tensor(acc.length.tolist(), device=dev)  # the loop's host read
+                tgt.commit(o.records, acc.path, length, True)
+
+            res["round16_delayed"] = _profile_fn(round_, steps, dev)
+            del tgt
+        except Exception as e:  # noqa: BLE001 - a profile is optional; the timings stand
+            res["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        finally:
+            model._fused = fused
+        out[label] = res
+    return out
+
+
+def _print_profiles(rows) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    for r in rows:
+        for label, res in (r.get("profile") or {}).items():
+            if "error" in res:
+                con.print(f"[profile {r['shape']} {label}] failed: {res['error']}")
+            for what in ("ar_step", "round16_delayed"):
+                p = res.get(what)
+                if not p:
+                    continue
+                t = Table(title=f"{r['shape']} {label} {what}: {p['kernels_per_step']:.0f} GPU ops/step "
+                                f"({p['memset_memcpy_per_step']:.0f} memset/memcpy), "
+                                f"{p['gpu_us_per_step']:.0f} us GPU time/step (eager)")
+                for c in ("kernel", "per step", "us/step"):
+                    t.add_column(c)
+                for k in p["top"]:
+                    t.add_row(k["name"][:70], f"{k['count_per_step']:.1f}", f"{k['us_per_step']:.1f}")
+                con.print(t)
+
+
 def run(shapes=("gdn-1.3b-paper", "gdn-1.3b-paper-hybrid"), new_tokens: int = 64, prompt_len: int = 256,
-        rounds: int = 50, out_dir=RESULTS, quick: bool = False) -> dict:
+        rounds: int = 50, out_dir=RESULTS, quick: bool = False, profile: bool = False,
+        device: str = "cuda") -> dict:
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"bench decode times CUDA graphs: --device must be a CUDA device, got {device!r}")
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    with torch.cuda.device(dev):  # copy_bandwidth, streams, Triton launches: the chosen GPU
+        return _run(shapes, new_tokens, prompt_len, rounds, out_dir, quick, profile, dev)
+
+
+def _run(shapes, new_tokens, prompt_len, rounds, out_dir, quick, profile, dev) -> dict:
     from rich.console import Console
     from rich.table import Table
 
     bw = copy_bandwidth()
     rows = []
     for shape in shapes:
-        model = random_model(shape, device="cuda", dtype=torch.bfloat16)
+        model = random_model(shape, device=dev, dtype=torch.bfloat16)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         prompt = _prompt(model.cfg.vocab_size, prompt_len)
         eager = _generate(model, None, False, prompt, new_tokens)
@@ -105,9 +241,15 @@ def run(shapes=("gdn-1.3b-paper", "gdn-1.3b-paper-hybrid"), new_tokens: int = 64
         }
         row["round16_over_ar"] = row["round16_ms"] / row["ar_step_ms"]
         row["fused"] = getattr(getattr(model, "_fused", None), "mode", None)
+        if profile:
+            t0 = time.perf_counter()
+            row["profile"] = _profile_shape(model, prompt, parents)
+            row["profile_seconds"] = time.perf_counter() - t0
         rows.append(row)
         del model
         torch.cuda.empty_cache()
+    if profile:
+        _print_profiles(rows)
     table = Table(title="batch-1 decode costs (ms)")
     cols = ["shape", "weight_floor_ms", "ar_eager_ms_per_token", "ar_graph_ms_per_token", "ar_step_ms",
             "round16_ms", "round16_over_ar", "graph_equals_eager_ar", "tree_equals_ar"]
@@ -116,7 +258,8 @@ def run(shapes=("gdn-1.3b-paper", "gdn-1.3b-paper-hybrid"), new_tokens: int = 64
     for r in rows:
         table.add_row(*[f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols])
     Console().print(table)
-    result = {"copy_bandwidth_GBps": bw / 1e9, "new_tokens": new_tokens, "prompt_len": prompt_len, "rows": rows}
+    result = {"copy_bandwidth_GBps": bw / 1e9, "new_tokens": new_tokens, "prompt_len": prompt_len,
+              "device": str(dev), "rows": rows}
     from specla.fused import env_mode
 
     name = "decode_fused" if env_mode() else "decode"
