@@ -247,3 +247,34 @@ def test_model_rounds_on_triton_match_torch():
         close(a, b, "state")
     for a, b in zip(results["triton"][2], results["torch"][2]):
         close(a, b, "conv state")
+
+
+@pytest.mark.parametrize("block_v", [8, 16])
+def test_commit_ignores_garbage_past_length(block_v, poison):
+    """Factor rows and path entries past `length` are read but must not leak in (NaN, out of
+    range ids): the loads no longer wait for the length. block_v 8: rank-1 path; 16: tl.dot."""
+    B, n, H, HV, K, V, P = 2, 6, 1, 2, 16, 16, 5
+    g0 = torch.Generator().manual_seed(3)
+    _, k, _, g, _, S = inputs(B, n, H, HV, K, V, 3)
+    u = torch.randn(B, n, HV, V, generator=g0)
+    path = torch.tensor([[0, 2, 3, -1, 99], [1, 4, 5, 0, -7]])
+    length = torch.tensor([3, 2])
+    k[0, 5], u[1, 0] = float("nan"), float("nan")  # node 5 / node 0 are never accepted in these rows
+    S_ref, S_out = S.clone(), S.clone()
+    naive.gdn_commit(S_ref, k.nan_to_num(), g, u.nan_to_num(), path.clamp(0, n - 1), length)
+    commit.gdn_commit(S_out, k, g, u, path, length, block_v=block_v)
+    close(S_out, S_ref, "commit")
+    # the fused pending form reads its rows 0.. directly: garbage past the length as well
+    pk, pg, pu = k[:, :4].nan_to_num(), g[:, :4].clone(), u[:, 1:5].nan_to_num()
+    pk[0, 3], pu[1, 2] = float("nan"), float("nan")
+    plen = torch.tensor([3, 2])
+    par = topology.chain(3, batch=B)
+    q3, k3, v3, g3, b3, _ = inputs(B, 3, H, HV, K, V, 4)
+    S_ref, S_out = S.clone(), S.clone()
+    ro, ru = naive.gdn_tree_verify(q3, k3, v3, g3, b3, S_ref, par, 0.25,
+                                   (pk.nan_to_num(), pg, pu.nan_to_num(), plen))
+    o, u2 = serial.gdn_tree_verify(q3, k3, v3, g3, b3, S_out, par, 0.25, (pk, pg, pu, plen),
+                                   chain=True, block_v=block_v)
+    close(o, ro, "o")
+    close(u2, ru, "u")
+    close(S_out, S_ref, "state")

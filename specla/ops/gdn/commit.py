@@ -28,28 +28,60 @@ def advance_tile(S, b, hv, i_h, k, g, u, path, length, n_src, P,
     k [B, n_src, H, K], g [B, n_src, HV], u [B, n_src, HV, V] are contiguous; S is the
     [BK, BV] fp32 tile of rows o_k, columns o_v.
     """
-    i = tl.arange(0, PP)
-    live = (i < tl.load(length + b)) & (i < P)
-    if HAS_PATH:
-        nodes = tl.load(path + b * P + i, mask=live, other=0).to(tl.int64)
-    else:
-        nodes = i.to(tl.int64)
-    row = b * n_src + nodes
-    kk = tl.load(k + (row[:, None] * H + i_h) * K + o_k[None, :],
-                 mask=live[:, None] & mk[None, :], other=0.0).to(tl.float32)  # [PP, BK]
-    gg = tl.load(g + row * HV + hv, mask=live, other=0.0).to(tl.float32)  # [PP]
-    uu = tl.load(u + (row[:, None] * HV + hv) * V + o_v[None, :],
-                 mask=live[:, None] & mv[None, :], other=0.0).to(tl.float32)  # [PP, BV]
-    G = tl.cumsum(gg, 0)  # log Γ_i (dead rows add 0)
-    GA = tl.sum(gg, 0)
-    kw = kk * tl.exp(GA - G)[:, None]
-    S = S * tl.exp(GA)
+    # Every load below is independent of length[b] (rows past it are read, then zeroed with
+    # `where`, never multiplied, so garbage there cannot turn into NaN): the factor loads are
+    # issued together with the caller's state load instead of one memory latency after it.
+    n_live = tl.load(length + b)
     if USE_DOT:
-        S += tl.dot(tl.trans(kw), uu, input_precision="tf32x3")
-    else:  # rows are picked out of registers (Triton has no dynamic register indexing)
+        i = tl.arange(0, PP)
+        inb = i < P
+        live = inb & (i < n_live)
+        if HAS_PATH:
+            nodes = tl.load(path + b * P + i, mask=inb, other=0).to(tl.int64)
+            nodes = tl.minimum(tl.maximum(nodes, 0), n_src - 1)
+        else:
+            nodes = i.to(tl.int64)
+        row = b * n_src + nodes
+        kk = tl.load(k + (row[:, None] * H + i_h) * K + o_k[None, :],
+                     mask=inb[:, None] & mk[None, :], other=0.0).to(tl.float32)  # [PP, BK]
+        gg = tl.load(g + row * HV + hv, mask=inb, other=0.0).to(tl.float32)  # [PP]
+        uu = tl.load(u + (row[:, None] * HV + hv) * V + o_v[None, :],
+                     mask=inb[:, None] & mv[None, :], other=0.0).to(tl.float32)  # [PP, BV]
+        gg = tl.where(live, gg, 0.0)
+        G = tl.cumsum(gg, 0)  # log Γ_i (dead rows add 0)
+        GA = tl.sum(gg, 0)
+        kw = tl.where(live[:, None], kk * tl.exp(GA - G)[:, None], 0.0)
+        uu = tl.where(live[:, None], uu, 0.0)
+        S = S * tl.exp(GA) + tl.dot(tl.trans(kw), uu, input_precision="tf32x3")
+    else:
+        # narrow tiles: one rank-1 update per factor, each row loaded straight into the
+        # vector layout it is used in (no picking rows out of a register block)
+        GA = 0.0
         for p in tl.static_range(PP):
-            kr = tl.sum(tl.where(i[:, None] == p, kw, 0.0), 0)
-            ur = tl.sum(tl.where(i[:, None] == p, uu, 0.0), 0)
+            livep = (p < P) & (p < n_live)
+            if HAS_PATH:
+                node = tl.load(path + b * P + p, mask=p < P, other=0).to(tl.int64)
+                node = tl.minimum(tl.maximum(node, 0), n_src - 1)
+            else:
+                node = p
+            gp = tl.load(g + (b * n_src + node) * HV + hv, mask=p < P, other=0.0).to(tl.float32)
+            GA += tl.where(livep, gp, 0.0)
+        S = S * tl.exp(GA)
+        G = 0.0
+        for p in tl.static_range(PP):
+            livep = (p < P) & (p < n_live)
+            if HAS_PATH:
+                node = tl.load(path + b * P + p, mask=p < P, other=0).to(tl.int64)
+                node = tl.minimum(tl.maximum(node, 0), n_src - 1)
+            else:
+                node = p
+            row = b * n_src + node
+            gp = tl.load(g + row * HV + hv, mask=p < P, other=0.0).to(tl.float32)
+            G += tl.where(livep, gp, 0.0)
+            kr = tl.load(k + (row * H + i_h) * K + o_k, mask=mk & (p < P), other=0.0).to(tl.float32)
+            ur = tl.load(u + (row * HV + hv) * V + o_v, mask=mv & (p < P), other=0.0).to(tl.float32)
+            kr = tl.where(livep, kr * tl.exp(GA - G), 0.0)
+            ur = tl.where(livep, ur, 0.0)
             S += kr[:, None] * ur[None, :]
     return S
 
