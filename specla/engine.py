@@ -82,14 +82,23 @@ class GraphTarget(EagerTarget):
             self._make_pending()
 
     def _make_pending(self) -> None:
-        for st in self.cache.layers:
-            if isinstance(st, GDNLayerState):
-                B, N = self.tokens.shape
-                H, K = self.model.cfg.num_heads, self.model.cfg.head_dim
-                HV, V = st.S.shape[1], st.S.shape[3]
-                z = lambda *s: torch.zeros(*s, device=st.S.device, dtype=st.S.dtype)  # noqa: E731
-                st.pending = (z(B, N, H, K), z(B, N, HV), z(B, N, HV, V),
-                              torch.zeros(B, dtype=torch.long, device=st.S.device))
+        """Pending buffers for every GDN layer, stacked in one `PendingBank` (the commit graph
+        stores an accepted path for all layers in a few kernels); per layer if shapes differ."""
+        B, N = self.tokens.shape
+        H, K = self.model.cfg.num_heads, self.model.cfg.head_dim
+        gdn = [st for st in self.cache.layers if isinstance(st, GDNLayerState)]
+        if not gdn:
+            return
+        shapes = {(st.S.shape[1], st.S.shape[3], st.S.dtype, st.S.device) for st in gdn}
+        if len(shapes) == 1:
+            HV, V, dt, _ = shapes.pop()
+            self.cache.make_bank(None, B, N, shapes=((H, K), (HV,), (HV, V), dt))
+            return
+        for st in gdn:
+            HV, V = st.S.shape[1], st.S.shape[3]
+            z = lambda *s: torch.zeros(*s, device=st.S.device, dtype=st.S.dtype)  # noqa: E731
+            st.pending = (z(B, N, H, K), z(B, N, HV), z(B, N, HV, V),
+                          torch.zeros(B, dtype=torch.long, device=st.S.device))
 
     def _snapshot(self):
         keep = []
@@ -104,18 +113,20 @@ class GraphTarget(EagerTarget):
 
     def _capture(self, key, fn):
         """Warm up and capture `fn` without changing the cache: its state is restored after."""
-        saved = self._snapshot()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fn()
-        for t, backup in saved:
-            t.copy_(backup)
+        with torch.cuda.device(self.model.device):  # streams and graph on the model's GPU
+            saved = self._snapshot()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    fn()
+            torch.cuda.current_stream().wait_stream(side)
+            check = _capture_guard(self.model)
+            graph = torch.cuda.CUDAGraph()
+            with check, torch.cuda.graph(graph):
+                out = fn()
+            for t, backup in saved:
+                t.copy_(backup)
         self.graphs[key] = (graph, out)
         return self.graphs[key]
 
@@ -158,6 +169,16 @@ class GraphTarget(EagerTarget):
         graph, _ = self.graphs.get("commit") or self._capture(
             "commit", lambda: self.cache.commit(self.records, self.path, self.length, self.delayed))
         graph.replay()
+
+
+def _capture_guard(model):
+    """While a graph is captured: the fused path must not compile (`specla.fused`)."""
+    fused = getattr(model, "_fused", None)
+    if fused is None:
+        import contextlib
+
+        return contextlib.nullcontext()
+    return fused.capturing()
 
 
 class FlaTarget(EagerTarget):

@@ -47,6 +47,7 @@ templates against cuBLAS and fuse epilogues into them; much longer compiles).
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -104,6 +105,24 @@ def _raise_recompile_limit(limit: int = 64) -> None:
             return
         except AttributeError:
             continue
+
+
+def _compile_count() -> int:
+    """Graphs dynamo has compiled so far in this process (0 if the counter is unavailable)."""
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+    except Exception:  # noqa: BLE001 - a private counter; the stance is the main check
+        return 0
+
+
+def _refuse_compiles():
+    """A context in which dynamo raises instead of compiling (torch >= 2.6); a no-op otherwise."""
+    try:
+        return torch.compiler.set_stance("fail_on_recompile")
+    except Exception:  # noqa: BLE001
+        return contextlib.nullcontext()
 
 
 # ---- pure functions of a layer's tensors (compiled) ------------------------------------------
@@ -340,6 +359,37 @@ class FusedModel:
         n = model.norm
         self.head = compile_fn("head", (n.eps, n.zero_centered), mode)
         self.shapes: set = set()
+        self.compile = compile
+
+    @contextlib.contextmanager
+    def capturing(self):
+        """Around a CUDA graph capture (`GraphTarget`): nothing may compile in it.
+
+        The warm-up runs before a capture compile every region; a cache miss under capture
+        (a guard failing on a new shape, dtype or option) would compile — and autotune, and
+        run the new graph — inside the capture, which either fails obscurely or records a
+        graph nobody checked. So dynamo is told to refuse any compile (stance
+        `fail_on_recompile`), and a compile counter is compared around the capture as a
+        second check; either turns into a RuntimeError naming the cause."""
+        if not self.compile:
+            yield
+            return
+        before = _compile_count()
+        try:
+            with _refuse_compiles():
+                yield
+        except Exception as e:
+            if "fail_on_recompile" in str(e) or "recompile" in type(e).__name__.lower():
+                raise RuntimeError(
+                    "specla.fused: a compiled region needed a (re)compile during CUDA graph capture "
+                    "(the warm-up did not cover this call: new shape, dtype or guard). The graph is "
+                    "discarded; run without SPECLA_COMPILE or report this. Cause: "
+                    f"{(str(e).splitlines() or [''])[0][:300]}") from e
+            raise
+        after = _compile_count()
+        if after != before:
+            raise RuntimeError(f"specla.fused: {after - before} graph(s) compiled during CUDA graph capture; "
+                               "the captured graph is not trusted (run without SPECLA_COMPILE)")
 
     def takes(self, tokens: torch.Tensor, verify: bool) -> bool:
         """Whether this call goes through the fused path: AR steps (T = 1) and verifies of at
@@ -382,6 +432,11 @@ class FusedModel:
         else:
             mark = lambda *ts: None  # noqa: E731
         hidden, records, want = {}, [], None  # want: the captured layer whose x is x + r
+        # a verify folds every pending update; with the pending buffers stacked (a PendingBank)
+        # their lengths are cleared by one kernel after the last layer, not one per layer
+        bank = getattr(cache, "bank", None)
+        bank = bank if parents is not None and bank is not None and bank.attached(cache) else None
+        banked = set(bank.layers) if bank is not None else ()
 
         def settle(x, r, want):
             if r is not None:
@@ -423,7 +478,7 @@ class FusedModel:
                 o = ops.gdn_sequence(q, k, v, g, beta, st.S, mix.scale)
             else:
                 o, u = ops.gdn_tree_verify(q, k, v, g, beta, st.S, parents, mix.scale, st.pending)
-                if st.pending is not None:  # folded into S by the verify
+                if st.pending is not None and i not in banked:  # folded into S by the verify
                     st.pending[3].zero_()
                 records.append(GDNRecord(x=xp if st.conv is not None else None, k=k, g=g, u=u))
             mark(o, z, x)
@@ -433,6 +488,8 @@ class FusedModel:
         x, logits = self.head(x, r, m.norm.weight, m.lm_head.weight)
         if want is not None:
             hidden[want] = x
+        if bank is not None:
+            bank.length.zero_()  # every banked layer's pending update was folded above
         if parents is None:
             cache.length.add_(tokens.shape[1])
         out = ModelOutput(logits, hidden)

@@ -256,3 +256,18 @@ def test_region_recompiles_without_precision_emulation(monkeypatch):
         assert region(1) == 2
     assert region(2) == 3
     assert calls == [{"emulate_precision_casts": True}, {}, {}]
+
+
+def test_no_compile_during_capture():
+    """Under `FusedModel.capturing()` (what GraphTarget wraps a capture in) a compile raises."""
+    from types import SimpleNamespace
+
+    from specla.fused import FusedModel
+
+    f = torch.compile(lambda x: x * 2 + 1, backend="eager", fullgraph=True)
+    with pytest.raises(RuntimeError, match="during CUDA graph capture"):
+        with FusedModel.capturing(SimpleNamespace(compile=True)):
+            f(torch.ones(3))
+    f(torch.ones(3))  # compiles outside
+    with FusedModel.capturing(SimpleNamespace(compile=True)):
+        assert torch.equal(f(torch.ones(3)), torch.full((3,), 3.0))  # a cache hit is fine
