@@ -6,11 +6,15 @@ float64 states always take the torch references (the exactness tests; Triton run
 
 GDN verification (docs/kernels.md):
 - n = 1 or a chain: the serial verifier (state-resident, nothing materialised);
-- any branching topology: the chain-decomposed hybrid verifier.
-Whether `parents` is a chain is decided once per parent array (cached on the tensor, shared by
-all layers of a round): free for CPU tensors and n = 1, one host sync on CUDA, and no decision
-inside a CUDA-graph capture, where the hybrid runs (on a chain it is a single chain, i.e. the
-serial loop plus a ticket; it is correct for every topology of that size on replay).
+- a branching topology the cost model (`schedule.SERIAL_COST`) expects to be faster serially
+  (few nodes, short chains): the serial verifier in tree mode;
+- any other branching topology: the chain-decomposed hybrid verifier.
+Both decisions are made once per parent array (cached on the tensor, shared by all layers of a
+round): free for CPU tensors and n = 1, one host sync on CUDA, and none inside a CUDA-graph
+capture, where the hybrid runs with schedule="auto" (the same cost model, applied on the device:
+a row it sends to serial runs as one serial pass inside the hybrid launch; on a chain it is a
+single chain, i.e. the serial loop plus a ticket; it is correct for every topology of that
+size on replay).
 The kernel modules are imported on first use so that importing specla never compiles or
 configures Triton.
 """
@@ -64,9 +68,12 @@ def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None):
         return gdn_ref.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending)
     from specla.ops.gdn import hybrid, schedule, serial
 
-    if schedule.plan_for(parents).is_chain(parents):
+    plan = schedule.plan_for(parents)
+    if plan.is_chain(parents):
         return serial.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, chain=True)
-    return hybrid.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending)
+    if plan.prefer_serial(parents):
+        return serial.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending)
+    return hybrid.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, schedule="auto")
 
 
 def gdn_tree_verify_serial(q, k, v, g, beta, state, parents, scale, pending=None, **options):

@@ -13,6 +13,10 @@ chains are ranked topologically, so it only ever waits on a program that is alre
 The schedule is a fixed-size table padded to n chains of n nodes and the grid depends only on
 n, so a verify captured in a CUDA graph replays correctly for any topology of the same size.
 A chain waits for exactly its own boundary node, not for a whole "level" of chains.
+
+`schedule="auto"` lets a cost model (`schedule.SERIAL_COST`) replace a row's chains by one
+serial pass over all its nodes when chains would not pay for their overhead (few nodes, short
+chains); the choice is made on the device, so it also holds inside a CUDA graph.
 """
 
 from __future__ import annotations
@@ -23,14 +27,19 @@ import triton
 from specla.ops.gdn import serial
 from specla.ops.gdn.schedule import plan_for
 
+SCHEDULES = ("hld", "auto")
+
 
 def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, *,
-                    block_v: int = 16, num_warps: int = 4):
-    """Same contract as `naive.gdn_tree_verify` (fp32 state)."""
+                    block_v: int = 16, num_warps: int = 4, schedule: str = "hld"):
+    """Same contract as `naive.gdn_tree_verify` (fp32 state). schedule: "hld" (heavy-light
+    chains) or "auto" (chains or one serial pass per row, by the cost model)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown hybrid schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
     B, n, HV, V = v.shape
     BV = serial.block_size(V, block_v)
     n_tiles = B * HV * triton.cdiv(V, BV)
-    sched = plan_for(parents).hld(parents)  # cached on the caller's tensor: once per round
+    sched = plan_for(parents).hld(parents, schedule == "auto")  # cached on the caller's tensor: once per round
     parents = parents.contiguous()
     # ticket counter (slot 0) and one ready flag per (row, node, head, V-tile), zeroed per launch
     flags = torch.zeros(1 + n * n_tiles, dtype=torch.int32, device=state.device)
