@@ -5,7 +5,13 @@
 
 JSON keys: device, versions, commit (git sha), date, shape, copy_bandwidth_Bps, correctness,
 tiling (serial/hybrid tile sweep) and tiling_used, table1, state_commit (token replay vs factor
-commit), fused, chain, goals, bench_seconds.
+commit), fused, chain, picked, goals, bench_seconds.
+
+`picked` records every choice the run made from its own sweeps: the tiling of Table 1 and the
+hybrid, the chain kernel per T (variant "loop" | "unroll" | "unroll_defer" and its tiling, see
+`specla.ops.gdn.serial.CHAIN_VARIANTS`), the kernels of the delayed-update section (verify alone
+and fused, each its own best), and the schedule the hybrid's cost model chose per Table 1 tree
+("serial" pass or "hld" chains). The chain rows carry every candidate's time in `candidates`.
 
 Shape: HV = H = 8 value/key heads, dk = dv = 256 (2 MiB fp32 state per layer), 24 layers, bf16
 activations (q, k, v), fp32 log-decay, beta and state, random inputs, synthetic beam top-k draft
@@ -40,7 +46,21 @@ PAPER_TABLE1 = {
     (4, 4, 16): (37.8, 3.73, 1.70, 5.14), (4, 4, 32): (91.2, 4.74, 3.47, 7.11),
     (4, 12, 16): (19.0, 1.19, 0.52, 1.80), (4, 24, 32): (41.0, 1.30, 0.95, 2.19),
 }
-TILINGS = [(8, 1), (8, 2), (8, 4), (16, 4), (32, 8)]  # (block_v, num_warps) of serial/hybrid
+TILINGS = [(8, 1), (8, 2), (8, 4), (16, 2), (16, 4), (32, 4), (32, 8)]  # (block_v, num_warps) of serial/hybrid
+# the unrolled chain kernels compile once per length: a smaller tiling set, lengths up to 8
+UNROLL_TILINGS = [(8, 1), (8, 2), (16, 4)]
+UNROLL_SWEEP_MAX = 8
+
+
+def chain_candidates(T: int, quick: bool) -> list[dict]:
+    """Chain-kernel configurations swept for a T-node chain."""
+    tilings = TILINGS if not quick else [(16, 4)]
+    out = [{"variant": "loop", "block_v": bv, "num_warps": nw} for bv, nw in tilings]
+    if T <= UNROLL_SWEEP_MAX:
+        for variant in ("unroll", "unroll_defer"):
+            out += [{"variant": variant, "block_v": bv, "num_warps": nw}
+                    for bv, nw in (UNROLL_TILINGS if not quick else UNROLL_TILINGS[:1])]
+    return out
 
 
 @dataclass
@@ -131,7 +151,7 @@ def tiling_sweep(bench: Bench) -> list[dict]:
     chain_in = bench.layer_inputs(T, 2)
     scale = bench.K ** -0.5
     rows = []
-    for bv, nw in (TILINGS if not bench.quick else TILINGS[3:4]):
+    for bv, nw in (TILINGS if not bench.quick else [(16, 4)]):
         opt = dict(block_v=bv, num_warps=nw)
         hy = bench.time_ms(lambda: [hybrid.gdn_tree_verify(*x, par_tree, scale, **opt) for x in tree_in])
         ch = bench.time_ms(lambda: [serial.gdn_tree_verify(*x, par_chain, scale, chain=True, **opt) for x in chain_in])
@@ -148,7 +168,7 @@ def pick_tiling(rows: list[dict]) -> dict:
 
 
 def table1(bench: Bench, tiling: dict) -> list[dict]:
-    from specla.ops.gdn import hybrid, parallel, serial
+    from specla.ops.gdn import hybrid, parallel, schedule, serial
     from specla.topology import chain, root_to_leaf_paths
 
     scale = bench.K ** -0.5
@@ -156,8 +176,8 @@ def table1(bench: Bench, tiling: dict) -> list[dict]:
     seeds = (0, 1) if not bench.quick else (0,)
     rows = []
     for topk, depth, nodes in shapes:
-        per = {"r2l": [], "serial": [], "parallel": [], "hybrid": []}
-        stats = []
+        per = {"r2l": [], "serial": [], "parallel": [], "hybrid": [], "hybrid_auto": []}
+        stats, schedules = [], []
         for seed in seeds:
             p = beam_tree(topk, depth, nodes, seed=seed)
             stats.append(tree_stats(p))
@@ -173,6 +193,11 @@ def table1(bench: Bench, tiling: dict) -> list[dict]:
             per["serial"].append(bench.time_ms(lambda: [serial.gdn_tree_verify(*x, par, scale, **tiling) for x in ins]))
             per["parallel"].append(bench.time_ms(lambda: [parallel.gdn_tree_verify(*x, par, scale) for x in ins]))
             per["hybrid"].append(bench.time_ms(lambda: [hybrid.gdn_tree_verify(*x, par, scale, **tiling) for x in ins]))
+            # what dispatch runs inside a graph: the hybrid launch, rows the cost model sends to
+            # serial running as one serial pass
+            per["hybrid_auto"].append(bench.time_ms(lambda: [hybrid.gdn_tree_verify(*x, par, scale, schedule="auto",
+                                                                                    **tiling) for x in ins]))
+            schedules.append("serial" if bool(schedule.prefer_serial(par.cpu()).all()) else "hld")
         ms = {k: statistics.mean(v) for k, v in per.items()}
         paper = PAPER_TABLE1.get((topk, depth, nodes))
         rows.append({
@@ -181,6 +206,10 @@ def table1(bench: Bench, tiling: dict) -> list[dict]:
             "r2l_ms": ms["r2l"], "serial_ms": ms["serial"], "parallel_ms": ms["parallel"], "hybrid_ms": ms["hybrid"],
             "serial_x": ms["r2l"] / ms["serial"], "parallel_x": ms["r2l"] / ms["parallel"],
             "hybrid_x": ms["r2l"] / ms["hybrid"], "hybrid_over_serial_x": ms["serial"] / ms["hybrid"],
+            "hybrid_auto_ms": ms["hybrid_auto"], "hybrid_auto_x": ms["r2l"] / ms["hybrid_auto"],
+            "hybrid_auto_over_serial_x": ms["serial"] / ms["hybrid_auto"], "hybrid_schedule": schedules,
+            # dispatch outside a graph: the serial kernel for trees the cost model sends there
+            "dispatch_ms": ms["serial"] if all(x == "serial" for x in schedules) else ms["hybrid_auto"],
             "paper_hybrid_x": paper[3] if paper else None,
         })
     return rows
@@ -229,7 +258,10 @@ def commit_section(bench: Bench) -> list[dict]:
 
 
 def fused_section(bench: Bench, tiling: dict) -> list[dict]:
-    """Delayed update: commit A accepted factors, then verify a 4-draft chain (5 tokens)."""
+    """Delayed update: commit A accepted factors, then verify a 4-draft chain (5 tokens).
+
+    Verify alone and the fused kernel each get their own best chain kernel, swept at A = 4 over
+    `chain_candidates(5)` (recorded per row as verify_config / fused_config)."""
     from specla.ops.gdn import commit, serial
     from specla.topology import chain
 
@@ -238,26 +270,40 @@ def fused_section(bench: Bench, tiling: dict) -> list[dict]:
     par = chain(n, device=bench.device)
     ins = bench.layer_inputs(n, 7)
     path = torch.arange(P, device=bench.device)[None]
+    sweep_pend = bench.pending(P, 4 if not bench.quick else 1, 8)
+    sweep = []
+    for cand in chain_candidates(n, bench.quick):
+        opt = dict(cand)
+        v = bench.time_ms(lambda: [serial.gdn_tree_verify(*x, par, scale, chain=True, **opt) for x in ins])
+        f = bench.time_ms(lambda: [serial.gdn_tree_verify(*x, par, scale, sweep_pend, chain=True, **opt) for x in ins])
+        sweep.append({**cand, "verify_24_ms": v, "fused_24_ms": f})
+    vcfg = {k: min(sweep, key=lambda r: r["verify_24_ms"])[k] for k in ("variant", "block_v", "num_warps")}
+    fcfg = {k: min(sweep, key=lambda r: r["fused_24_ms"])[k] for k in ("variant", "block_v", "num_warps")}
     rows = []
-    verify_only = bench.time_ms(lambda: [serial.gdn_tree_verify(*x, par, scale, chain=True, **tiling) for x in ins])
+    verify_only = bench.time_ms(lambda: [serial.gdn_tree_verify(*x, par, scale, chain=True, **vcfg) for x in ins])
     for A in (range(1, 9) if not bench.quick else (1, 4)):
         pend = bench.pending(P, A, 8)
 
         def separate():
             for x in ins:
                 commit.gdn_commit(x[5], *pend[:3], path, pend[3])
-                serial.gdn_tree_verify(*x, par, scale, chain=True, **tiling)
+                serial.gdn_tree_verify(*x, par, scale, chain=True, **vcfg)
 
         sep = bench.time_ms(separate)
-        fused = bench.time_ms(lambda: [serial.gdn_tree_verify(*x, par, scale, pend, chain=True, **tiling) for x in ins])
+        fused = bench.time_ms(lambda: [serial.gdn_tree_verify(*x, par, scale, pend, chain=True, **fcfg) for x in ins])
         L = bench.layers
         rows.append({"accepted": A, "separate_ms": sep / L, "fused_ms": fused / L, "verify_only_ms": verify_only / L,
                      "separate_24_ms": sep, "fused_24_ms": fused, "verify_only_24_ms": verify_only,
-                     "fused_over_verify": fused / verify_only})
+                     "fused_over_verify": fused / verify_only, "verify_config": vcfg, "fused_config": fcfg,
+                     "sweep": sweep if A == 1 else None})
     return rows
 
 
-def chain_section(bench: Bench, tiling: dict, bandwidth: float) -> list[dict]:
+def chain_section(bench: Bench, tiling: dict, bandwidth: float, budget_s: float = 200.0) -> list[dict]:
+    """Chain verification per T: every `chain_candidates(T)` kernel in the same run, the best
+    one's time as `ms` (its configuration in `picked`), the Table 1 tiling's loop as `ms_loop`.
+    Past `budget_s` (compiles of the unrolled kernels dominate) only the Table 1 tiling's loop
+    and the unrolled kernel at that tiling are timed; such rows say `truncated`."""
     from specla.ops.gdn import serial
     from specla.topology import chain
 
@@ -265,16 +311,30 @@ def chain_section(bench: Bench, tiling: dict, bandwidth: float) -> list[dict]:
     scale = bench.K ** -0.5
     floor_ms = 2 * bench.HV * bench.K * bench.V * 4 / bandwidth * 1e3  # state read + written once
     rows = []
+    t0 = time.perf_counter()
     for T in (range(1, 17) if not bench.quick else (1, 4)):
         par = chain(T, device=bench.device)
         ins = bench.layer_inputs(T, 9)
-        ms = bench.time_ms(lambda: [serial.gdn_tree_verify(*x, par, scale, chain=True, **tiling) for x in ins])
+        cands = []
+        todo = chain_candidates(T, bench.quick)
+        truncated = time.perf_counter() - t0 > budget_s
+        if truncated:
+            todo = [c for c in todo if c["block_v"] == tiling["block_v"] and c["num_warps"] == tiling["num_warps"]]
+        for cand in todo:
+            opt = dict(cand)
+            ms = bench.time_ms(lambda: [serial.gdn_tree_verify(*x, par, scale, chain=True, **opt) for x in ins])
+            cands.append({**cand, "ms": ms / bench.layers})
+        best = min(cands, key=lambda r: r["ms"])
+        loop = [c["ms"] for c in cands if c["variant"] == "loop" and c["block_v"] == tiling["block_v"]
+                and c["num_warps"] == tiling["num_warps"]]
         fla_ms = None
         if fla is not None:
             fla_ms = bench.time_ms(lambda: [fla(q=x[0], k=x[1], v=x[2], g=x[3], beta=x[4], scale=scale,
                                                 initial_state=x[5], output_final_state=False) for x in ins])
             fla_ms /= bench.layers
-        rows.append({"T": T, "ms": ms / bench.layers, "floor_ms": floor_ms, "fla_ms": fla_ms})
+        rows.append({"T": T, "ms": best["ms"], "ms_loop": loop[0] if loop else None, "floor_ms": floor_ms,
+                     "fla_ms": fla_ms, "picked": {k: best[k] for k in ("variant", "block_v", "num_warps")},
+                     "candidates": cands, "truncated": truncated})
     return rows
 
 
@@ -302,6 +362,7 @@ def correctness(bench: Bench) -> dict:
     S_ref = S.clone()
     ro, ru = naive.gdn_tree_verify(q, k, v, g, beta, S_ref, par, scale, pend)
     for name, fn in (("serial", serial.gdn_tree_verify), ("hybrid", hybrid.gdn_tree_verify),
+                     ("hybrid_auto", lambda *a: hybrid.gdn_tree_verify(*a, schedule="auto")),
                      ("parallel", parallel.gdn_tree_verify)):
         S_out = S.clone()
         o, u = fn(q, k, v, g, beta, S_out, par, scale, pend)
@@ -338,6 +399,21 @@ def correctness(bench: Bench) -> dict:
     conv_triton.conv_commit(b, x, path, length)
     out["conv_commit"] = _err(b, a)
 
+    from specla.topology import chain
+
+    for T in (1, 5):
+        qc, kc, vc, gc, bc, Sc = fp32.layer_inputs(T, 14)[0]
+        pc = chain(T, device=dev)
+        S_ref = Sc.clone()
+        ro, ru = naive.gdn_tree_verify(qc, kc, vc, gc, bc, S_ref, pc, scale, pend)
+        for variant in serial.CHAIN_VARIANTS:
+            for bv, nw in ((8, 1), (16, 4)):
+                S_out = Sc.clone()
+                o, u = serial.gdn_tree_verify(qc, kc, vc, gc, bc, S_out, pc, scale, pend, chain=True,
+                                              variant=variant, block_v=bv, num_warps=nw)
+                out[f"chain_{variant}_T{T}_bv{bv}_w{nw}"] = {"o": _err(o, ro), "u": _err(u, ru),
+                                                             "state": _err(S_out, S_ref)}
+
     T = 16
     qs, ks, vs, gs, bs, Ss = fp32.layer_inputs(T, 13)[0]
     S_ref, S_out = Ss.clone(), Ss.clone()
@@ -359,6 +435,20 @@ def correctness(bench: Bench) -> dict:
     return out
 
 
+def picked(result: dict) -> dict:
+    """Every configuration the run chose from its own sweeps (sections that ran)."""
+    ok = lambda key: isinstance(result.get(key), list)  # noqa: E731
+    out = {"tiling": result.get("tiling_used")}
+    if ok("chain"):
+        out["chain"] = {str(r["T"]): r["picked"] for r in result["chain"]}
+    if ok("fused") and result["fused"]:
+        out["fused"] = {"verify": result["fused"][0]["verify_config"], "fused": result["fused"][0]["fused_config"]}
+    if ok("table1"):
+        out["hybrid_schedule"] = {f"k{r['topk']}_d{r['depth']}_n{r['nodes']}": r["hybrid_schedule"]
+                                  for r in result["table1"]}
+    return out
+
+
 def goals(result: dict) -> dict:
     """The issue's targets, for the sections that ran."""
     ok = lambda key: isinstance(result.get(key), list)  # noqa: E731  (a failed section holds its error)
@@ -366,6 +456,8 @@ def goals(result: dict) -> dict:
     if ok("table1"):
         g["hybrid_at_least_paper_ratio_over_r2l"] = all(
             r["paper_hybrid_x"] is None or r["hybrid_x"] >= r["paper_hybrid_x"] for r in result["table1"])
+        g["hybrid_auto_not_slower_than_serial"] = all(r["hybrid_auto_ms"] <= r["serial_ms"] for r in result["table1"])
+        g["dispatch_not_slower_than_serial"] = all(r["dispatch_ms"] <= r["serial_ms"] for r in result["table1"])
     if ok("state_commit"):
         g["factor_commit_at_least_10x_replay"] = all(r["speedup_x"] >= 10 for r in result["state_commit"])
     if ok("fused"):
@@ -398,13 +490,15 @@ def _print(result: dict) -> None:
         con.print("correctness (largest relative error per check):", worst)
     table("tiling sweep (serial/hybrid)", result.get("tiling"), ["block_v", "num_warps", "hybrid_4_4_32_ms", "chain_T16_layer_ms"])
     table("Table 1: tree verification, 24 layers (x = speedup over R2L)", result.get("table1"),
-          ["topk", "depth", "nodes", "leaves", "r2l_ms", "serial_ms", "parallel_ms", "hybrid_ms",
-           "serial_x", "parallel_x", "hybrid_x", "paper_hybrid_x"])
+          ["topk", "depth", "nodes", "leaves", "r2l_ms", "serial_ms", "parallel_ms", "hybrid_ms", "hybrid_auto_ms",
+           "hybrid_schedule", "serial_x", "parallel_x", "hybrid_x", "paper_hybrid_x"])
     table("accepted-state recovery, 24 layers", result.get("state_commit"),
           ["length", "replay_ms", "factor_ms", "gdn_commit_ms", "speedup_x"])
     table("delayed update, verify 4-draft chain, per layer", result.get("fused"),
-          ["accepted", "separate_ms", "fused_ms", "verify_only_ms", "fused_over_verify"])
-    table("serial chain verifier, per layer", result.get("chain"), ["T", "ms", "floor_ms", "fla_ms"])
+          ["accepted", "separate_ms", "fused_ms", "verify_only_ms", "fused_over_verify", "verify_config",
+           "fused_config"])
+    table("serial chain verifier, per layer", result.get("chain"), ["T", "ms", "ms_loop", "floor_ms", "fla_ms", "picked"])
+    con.print("picked:", result.get("picked"))
     con.print("goals:", result["goals"])
 
 
@@ -508,6 +602,7 @@ def run(out_dir: str = "benchmarks/results", device: str = "cuda", quick: bool =
     section("fused", fused_section, bench, tiling)
     if isinstance(bandwidth, float):
         section("chain", chain_section, bench, tiling, bandwidth)
+    result["picked"] = picked(result)
     result["goals"] = goals(result)
     timings["total"] = round(time.perf_counter() - t0, 1)
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
