@@ -84,16 +84,16 @@ blocks() {  # blocks DSPARK_MIN ADAPT_MIN: DSpark from scratch, then ReaDy (stag
   for n in dspark ready dspark-ft; do pack "$n" "$BD/$n"; done
 }
 
-ablate() {  # ablate MINUTES: ReaDy stage-1 variants from the committed DSpark, side by side,
-  # the default reader among them so every row trained under the same conditions
-  local m=$1 v
+ablate() {  # ablate MINUTES [STEPS]: ReaDy stage-1 variants from the committed DSpark, side by
+  # side, the default reader among them so every row trained under the same conditions
+  local m=$1 steps=(${2:+--total-steps $2}) v
   declare -A variants=([s1-default]="" [rank16]="--reader-rank 16" [rank32]="--reader-rank 32"
     [rankfull]="--reader-rank full" [src-low]="--source-layers 2" [src-mid]="--source-layers 6"
     [src-last]="--source-layers 11" [src-low-last]="--source-layers 2,11" [inject-first]="--inject-layers 0"
     [inject-both]="--inject-layers 0,1" [site-pre]="--inject-site pre")
   for v in "${!variants[@]}"; do
     # shellcheck disable=SC2086
-    block "abl-$v" "$m" --kind ready --stage 1 --init-from specla/models/demo/dspark ${variants[$v]} &
+    block "abl-$v" "$m" --kind ready --stage 1 --init-from specla/models/demo/dspark "${steps[@]}" ${variants[$v]} &
   done
   wait
   tar czf "$OUT/ablations.tgz" -C "$BD" $(cd "$BD" && ls -d abl-*/export)
@@ -105,24 +105,41 @@ bench() {  # bench NAME [ARGS...]; earlier records of a resumable bench travel i
   timeout "${BENCH_TIMEOUT:-420}" $SPECLA bench "$name" "$@" --out "$STAGE" 2>&1 | tee "$STAGE/bench-$name.log"
 }
 
-[ -f .run/responses.npz ] && cp .run/responses.npz /tmp/responses.npz
-for step in "$@"; do
+bench_ablations() {  # bench_ablations SECONDS PROMPTS: DSpark and every trained ablation, fewer prompts
+  local args=() d
+  for d in "$BD"/abl-*/export; do args+=(--variant "$(basename "$(dirname "$d")")=$d"); done
+  BENCH_TIMEOUT=$1 bench ready --rows dspark --name ready_ablations --n-prompts "$2" --no-operator "${args[@]}"
+}
+
+run_step() {
+  local step=$1
   echo "=== $step $(date +%T)"
   case $step in
     smoke) smoke ;;
     train:*) IFS=: read -r _ mins total <<<"$step"; train "$mins" "$total" ;;
     responses:*) IFS=: read -r _ mins n <<<"$step"; responses "$mins" "$n" ;;
     drafter:*) drafter "${step#drafter:}" ;;
+    block:*) IFS=: read -r _ name mins args <<<"$step"; block "$name" "$mins" ${args//,/ }  # block:NAME:MIN:ARG,...
+      pack "$name" "$BD/$name" ;;
     blocks:*) IFS=: read -r _ a b <<<"$step"; blocks "$a" "$b" ;;
-    ablate:*) ablate "${step#ablate:}" ;;
+    ablate:*) IFS=: read -r _ mins steps <<<"$step"; ablate "$mins" "$steps" ;;
+    bench-ablations:*) IFS=: read -r _ secs n <<<"$step"; bench_ablations "$secs" "$n" ;;
     bench:*) IFS=: read -r _ name secs args <<<"$step"  # bench:NAME[:SECONDS[:ARG,ARG,...]]
       BENCH_TIMEOUT=${secs:-${BENCH_TIMEOUT:-420}} bench "$name" ${args//,/ } ;;
-    train-bg:*) IFS=: read -r _ what mins <<<"$step"; "$what" "$mins" & BG=$! ;;  # in the background, joined at the end
     *) echo "unknown step $step" ;;
   esac
+}
+
+[ -f .run/responses.npz ] && cp .run/responses.npz /tmp/responses.npz
+for step in "$@"; do
+  if [[ $step == bg:* ]]; then  # bg:STEP runs beside the next steps; joined before the lane ends
+    run_step "${step#bg:}" &
+  else
+    run_step "$step"
+  fi
   tar czf "$OUT/results-$LANE.tgz" -C "$STAGE" .  # after every step: a call cut short keeps what finished
 done
-[ -n "${BG:-}" ] && wait "$BG"
+wait
 tar czf "$OUT/results-$LANE.tgz" -C "$STAGE" .
 echo "=== done $(date +%T)"
 ls -la "$OUT" "$STAGE"
