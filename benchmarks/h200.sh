@@ -108,7 +108,8 @@ bench() {  # bench NAME [ARGS...]; earlier records of a resumable bench travel i
 bench_ablations() {  # bench_ablations SECONDS PROMPTS: DSpark and every trained ablation, fewer prompts
   local args=() d
   for d in "$BD"/abl-*/export; do args+=(--variant "$(basename "$(dirname "$d")")=$d"); done
-  BENCH_TIMEOUT=$1 bench ready --rows dspark --name ready_ablations --n-prompts "$2" --no-operator "${args[@]}"
+  BENCH_TIMEOUT=$1 bench ready --rows dspark --name ready_ablations --n-prompts "$2" --no-operator \
+    --max-minutes "$(python3 -c "print(($1 - 45) / 60)")" "${args[@]}"
 }
 
 run_step() {
