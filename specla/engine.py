@@ -233,7 +233,8 @@ class FlaTarget(EagerTarget):
 
         n = tokens.shape[1]
         logits = torch.empty(1, n, self.model.cfg.vocab_size, device=tokens.device)
-        hidden = {i: torch.empty(1, n, self.model.cfg.hidden_size, device=tokens.device) for i in capture}
+        hidden = {i: torch.empty(1, n, self.model.cfg.hidden_size, device=tokens.device, dtype=self.model.dtype)
+                  for i in capture}  # what the drafter reads, in the model's dtype like every route's
         for path in root_to_leaf_paths(parents[0]):
             out, hid = self._run(tokens[:, path], copy.deepcopy(self.pkv), capture)
             logits[:, path] = out.logits.float()
