@@ -192,6 +192,9 @@ class Decoder:
         if target is not None and target.max_len >= max_len:
             target.reset()
             return target
+        # room in steps of 1024 positions: a slightly longer prompt reuses the target (and its
+        # graphs) instead of building and capturing a new one
+        max_len = -(-max_len // 1024) * 1024
         target = (GraphTarget(self.model, batch, max_len, budget, self.delayed) if self.graphs
                   else EagerTarget(self.model, batch, max_len))
         self.targets[key] = target

@@ -184,8 +184,12 @@ def run(model_dir=None, suites=SUITES, routes=ROUTES, limit: int | None = None, 
     records = _load_records(out_dir, name)
     todo = [w for w in _work(suites, routes, limit, fla_limit, shard)
             if w[2].id not in records.get(w[1], {}).get(w[3], {})]
-    for route in routes:  # compile kernels and capture graphs outside the timings
-        lm.generate("warm up", max_new_tokens=16, **_route_kwargs(route))
+    # compile and autotune kernels, size every buffer and capture graphs outside the timings,
+    # on the longest prompt (a longer one later would build a new target)
+    longest = max((w[2] for w in todo), key=lambda p: len(lm.encode_prompt(p.turns[0])), default=None)
+    for route in routes:
+        lm.generate(longest.turns[0] if longest else "warm up", max_new_tokens=max_new_tokens,
+                    **_route_kwargs(route))
     stopped = False
     device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     with open(log_path, "a") as log:

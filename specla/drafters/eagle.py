@@ -280,6 +280,14 @@ class EagleDrafter(Drafter):
 
     # cache ------------------------------------------------------------------------------------
     def reset(self, batch: int) -> None:
+        """Start a generation: the cache empties in place when the batch size is unchanged, so
+        its buffers and the captured rollout are reused across generations."""
+        if getattr(self, "len", None) is not None and self.len.shape[0] == batch:
+            self.len.zero_()
+            self.pending.zero_()
+            self.started = False
+            self._bound = 0
+            return
         cfg, dev, dt = self.model.cfg, self.target.device, self.target.dtype
         self.k = torch.zeros(batch, cfg.num_heads, self.initial_capacity, cfg.head_dim, device=dev, dtype=dt)
         self.v = torch.zeros_like(self.k)
