@@ -77,7 +77,7 @@ class GraphTarget(EagerTarget):
         self.path = torch.zeros(batch, budget, dtype=torch.long, device=dev)
         self.length = torch.zeros(batch, dtype=torch.long, device=dev)
         self.graphs: dict = {}
-        self.records = None
+        self.records, self.verify_key = None, None
         if self.delayed:  # pending buffers exist from the start so the verify graph reads them
             self._make_pending()
 
@@ -157,7 +157,7 @@ class GraphTarget(EagerTarget):
 
         graph, (out, acc) = self.graphs.get(key) or self._capture(key, run)
         graph.replay()
-        self.records = out.records
+        self.records, self.verify_key = out.records, key
         return out, acc
 
     def commit(self, records, path, length, delayed):
@@ -166,8 +166,13 @@ class GraphTarget(EagerTarget):
             return super().commit(records, path, length, delayed)
         self.path.copy_(path)
         self.length.copy_(length)
-        graph, _ = self.graphs.get("commit") or self._capture(
-            "commit", lambda: self.cache.commit(self.records, self.path, self.length, self.delayed))
+        # one commit graph per verify graph: a graph reads the records it was captured with, and
+        # drafters that capture different layers (one target serves every drafter of a budget)
+        # verify through different graphs with different records
+        key = ("commit", self.verify_key)
+        records = self.records
+        graph, _ = self.graphs.get(key) or self._capture(
+            key, lambda: self.cache.commit(records, self.path, self.length, self.delayed))
         graph.replay()
 
 

@@ -46,10 +46,15 @@ def _copy_into(dst, src):
 
 
 class _Replay:
-    def __init__(self, fn, out):
-        self.fn, self.out = fn, out
+    """A real graph reads the tensors its capture saw: `bound` are (name, object) pairs of the
+    target's mutable references at capture, which must be the same objects at every replay."""
+
+    def __init__(self, fn, out, target, bound):
+        self.fn, self.out, self.target, self.bound = fn, out, target, bound
 
     def replay(self):
+        for name, obj in self.bound:
+            assert getattr(self.target, name) is obj, f"a replay would read stale {name!r}"
         with _as_captured():
             _copy_into(self.out, self.fn())
 
@@ -75,7 +80,8 @@ class EmulatedGraphTarget(GraphTarget):
             out = fn()
         for t, backup in saved:
             t.copy_(backup)
-        self.graphs[key] = (_Replay(fn, out), out)
+        bound = [("records", self.records)] if key[0] == "commit" else []
+        self.graphs[key] = (_Replay(fn, out, self, bound), out)
         return self.graphs[key]
 
 
