@@ -73,7 +73,10 @@ def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None):
         return serial.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, chain=True)
     if plan.prefer_serial(parents):
         return serial.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending)
-    return hybrid.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, schedule="auto")
+    # inside a capture nothing is known of the topology: the chain decomposition, not the
+    # in-kernel serial fallback (schedule="auto"), which the H200 timed 1.6-1.8x slower on
+    # 16-node trees in graph replay (kernels.json, hybrid_auto_ms)
+    return hybrid.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending)
 
 
 def gdn_tree_verify_serial(q, k, v, g, beta, state, parents, scale, pending=None, **options):
