@@ -243,10 +243,19 @@ def bench_ready(
     rows: str = typer.Option("dspark,dspark_ft,ready", help="Standard rows to run beside ar (ablation runs: fewer)."),
     name: Optional[str] = typer.Option(None, help="Result file stem (default ready)."),
     operator: bool = typer.Option(True, "--operator/--no-operator", help="Time the fused state-reader operator."),
+    summary_only: bool = typer.Option(False, "--summary-only", help="Recompute <name>.json's suites from its log "
+                                      "(intervals, paired ratios); the measured sections stay."),
     out: Path = typer.Option(Path("benchmarks/results")),
 ):
     """ReaDy vs DSpark: TPS, x AR, tau, survival curves, fused state-reader latency (ready.json/.png)."""
-    from specla.bench.ready import ROWS, run
+    from specla.bench.ready import ROWS, resummarise, run
+
+    if summary_only:
+        stem = name or "ready"
+        if not (out / f"{stem}.json").is_file() or not (out / f"{stem}_log.jsonl").is_file():
+            raise InputError(f"--summary-only needs {out / (stem + '.json')} and its _log.jsonl")
+        resummarise(out, stem)
+        return
 
     picked = tuple(r for r in rows.split(",") if r)
     if set(picked) - set(ROWS):

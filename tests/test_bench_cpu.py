@@ -115,3 +115,20 @@ def test_e2e_shards_resume_and_summary(tmp_path):
     lines = [json.loads(x) for f in sorted(tmp_path.glob("e2e.records.*.jsonl")) for x in f.read_text().splitlines()]
     assert len(lines) == 2 * 3 * 3  # suites x prompts x routes, each once
     assert {r["id"] for r in lines if r["suite"] == "gsm8k"} == {p.id for p in load_suite("gsm8k", limit=3)}
+
+
+def test_ready_bench_summary_has_paired_intervals(tmp_path):
+    """Quick ReaDy bench on CPU (random drafters), then the summary recomputed from its log:
+    every row carries 95% intervals and the paired ReaDy / DSpark ratios bracket their value."""
+    from specla.bench import ready
+
+    ready.run(device="cpu", quick=True, suites=("gsm8k",), operator=False, out_dir=tmp_path, name="r")
+    res = ready.resummarise(tmp_path, "r")
+    suite = res["suites"]["gsm8k"]
+    assert res["resummarised"] and res["device"] == json.loads((tmp_path / "r.json").read_text())["device"]
+    for row in ("dspark", "dspark_ft", "ready"):
+        lo, hi = suite[row]["tps_ci95"]
+        assert lo <= suite[row]["tps"] <= hi
+    c = suite["paired"]["ready/dspark"]
+    assert c["prompts"] == 1 and c["tau_ratio_ci95"][0] <= c["tau_ratio"] <= c["tau_ratio_ci95"][1]
+    assert (tmp_path / "r.png").stat().st_size > 0

@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from specla.bench.common import RESULTS, write_results
+from specla.bench.e2e import bootstrap_ratio
 
 SUITES = ("mixed", "gsm8k", "humaneval")
 ROWS = ("dspark", "dspark_ft", "ready")
@@ -93,7 +94,78 @@ def _summary(recs: dict, ar: dict) -> dict:
     else:
         out["mean_accepted_length"] = 1.0
     out["exact_match_rate"] = sum(recs[i]["tokens"] == ar[i]["tokens"] for i in ids) / len(ids)
+    out["tps_ci95"] = bootstrap_ratio([len(recs[i]["tokens"]) for i in ids], [recs[i]["seconds"] for i in ids])
+    if rounds:
+        out["mean_accepted_length_ci95"] = bootstrap_ratio(
+            [sum(r[2] for r in recs[i]["rounds"]) for i in ids], [len(recs[i]["rounds"]) for i in ids])
     return out
+
+
+def _paired(a: dict, b: dict) -> dict:
+    """Row a over row b on the prompts both finished: τ ratio and TPS ratio with 95% bootstrap
+    intervals (prompts resampled together, so both rows see the same draws)."""
+    ids = sorted(set(a) & set(b))
+    if not ids or not all(a[i].get("rounds") and b[i].get("rounds") for i in ids):
+        return {"prompts": len(ids)}
+
+    def ratios(idx):
+        em = lambda r: sum(sum(x[2] for x in r[i]["rounds"]) for i in idx)  # noqa: E731
+        nr = lambda r: sum(len(r[i]["rounds"]) for i in idx)  # noqa: E731
+        tk = lambda r: sum(len(r[i]["tokens"]) for i in idx)  # noqa: E731
+        sec = lambda r: sum(r[i]["seconds"] for i in idx)  # noqa: E731
+        return (em(a) / nr(a)) / (em(b) / nr(b)), (tk(a) / sec(a)) / (tk(b) / sec(b))
+
+    import random
+
+    rng = random.Random(0)
+    samples = [ratios([rng.choice(ids) for _ in ids]) for _ in range(2000)]
+    taus, tpss = sorted(t for t, _ in samples), sorted(p for _, p in samples)
+    tau, tps = ratios(ids)
+    return {"prompts": len(ids), "tau_ratio": tau, "tau_ratio_ci95": (taus[50], taus[1949]),
+            "tps_ratio": tps, "tps_ratio_ci95": (tpss[50], tpss[1949])}
+
+
+def summarise(done: dict, suites, rows) -> dict:
+    """Per suite: every row's summary against AR, and the paired comparisons ReaDy's claims
+    are about (ready / dspark, ready / dspark_ft, dspark_ft / dspark, and each other row /
+    dspark)."""
+    out = {}
+    for suite in suites:
+        recs = done.get(suite, {})
+        ar = recs.get("ar", {})
+        out[suite] = {"ar": {**_summary(ar, ar), "mean_accepted_length": 1.0}}
+        for row in rows:
+            out[suite][row] = _summary(recs.get(row, {}), ar)
+        pairs = [("ready", "dspark"), ("ready", "dspark_ft"), ("dspark_ft", "dspark")]
+        pairs += [(r, "dspark") for r in rows if r not in ROWS]
+        out[suite]["paired"] = {f"{x}/{y}": _paired(recs.get(x, {}), recs.get(y, {})) for x, y in pairs
+                                if x in recs and y in recs}
+    return out
+
+
+def read_log(log_path: Path) -> dict:
+    """suite -> row -> prompt id -> record."""
+    done: dict = {}
+    if log_path.is_file():
+        for line in log_path.read_text().splitlines():
+            r = json.loads(line)
+            done.setdefault(r["suite"], {}).setdefault(r["row"], {})[r["id"]] = r
+    return done
+
+
+def resummarise(out_dir, name: str = "ready") -> dict:
+    """Recompute the suites of <name>.json from its log; device, versions, commit, date and the
+    other sections stay those of the run that measured them."""
+    out = Path(out_dir)
+    result = json.loads((out / f"{name}.json").read_text())
+    done = read_log(out / f"{name}_log.jsonl")
+    rows = [r for r in next(iter(result["suites"].values())) if r not in ("ar", "paired")]
+    result["suites"] = summarise(done, list(result["suites"]), rows)
+    result["resummarised"] = True
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    _plot(result, out / f"{name}.png")
+    _print(result)
+    return result
 
 
 def _record(res, spec: bool) -> dict:
@@ -113,11 +185,7 @@ def decode_section(lm, drafters: dict, suites, n_prompts, max_new_tokens: int, g
 
     model = lm.model
     eos = lm.tokenizer.eos_token_ids | set(model.cfg.eos_token_id)
-    done: dict = {}
-    if log_path.is_file():  # resume
-        for line in log_path.read_text().splitlines():
-            r = json.loads(line)
-            done.setdefault(r["suite"], {}).setdefault(r["row"], {})[r["id"]] = r
+    done = read_log(log_path)  # resume
     log = open(log_path, "a")
 
     # one Decoder per row for the whole run: its targets (static caches, CUDA graphs) and the
@@ -145,14 +213,7 @@ def decode_section(lm, drafters: dict, suites, n_prompts, max_new_tokens: int, g
                 log.write(json.dumps(rec) + "\n")
                 log.flush()
     log.close()
-    out = {}
-    for suite in suites:
-        recs = done.get(suite, {})
-        ar = recs.get("ar", {})
-        out[suite] = {"ar": {**_summary(ar, ar), "mean_accepted_length": 1.0}}
-        for row in drafters:
-            out[suite][row] = _summary(recs.get(row, {}), ar)
-    return {"suites": out, "complete": complete}
+    return {"suites": summarise(done, suites, list(drafters)), "complete": complete}
 
 
 # operator latency ------------------------------------------------------------------------------
@@ -246,7 +307,7 @@ def _plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, max(len(suites), 1), figsize=(4.2 * max(len(suites), 1), 3.4), squeeze=False)
     for ax, suite in zip(axes[0], suites):
         for row, stats in result["suites"][suite].items():
-            if "survival" in stats:
+            if row != "paired" and "survival" in stats:
                 ax.plot(range(1, P + 1), stats["survival"], marker="o", label=f"{row} (τ {stats['mean_accepted_length']:.2f})")
         ax.set_title(suite)
         ax.set_xlabel("draft position j")
@@ -327,8 +388,13 @@ def run(target=None, dspark=None, dspark_ft=None, ready=None, variants: dict | N
 
 def _print(result: dict) -> None:
     for suite, rows in result.get("suites", {}).items():
+        for pair, c in rows.get("paired", {}).items():
+            if "tau_ratio" in c:
+                print(f"{suite:10s} {pair:22s} tau x{c['tau_ratio']:.3f} [{c['tau_ratio_ci95'][0]:.3f}, "
+                      f"{c['tau_ratio_ci95'][1]:.3f}]  tps x{c['tps_ratio']:.3f} [{c['tps_ratio_ci95'][0]:.3f}, "
+                      f"{c['tps_ratio_ci95'][1]:.3f}]  ({c['prompts']} prompts)")
         for row, s in rows.items():
-            if s.get("prompts"):
+            if row != "paired" and s.get("prompts"):
                 print(f"{suite:10s} {row:12s} tps {s['tps']:8.1f}  x AR {s['speedup']:5.2f}  "
                       f"tau {s['mean_accepted_length']:5.2f}  exact {s['exact_match_rate']:.2f}")
     for r in result.get("operator", []):
