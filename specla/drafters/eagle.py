@@ -350,7 +350,11 @@ class EagleDrafter(Drafter):
             return Draft(root[:, None], topology.chain(1, len(roots), device=dev))
         self._reserve(self.entries)
         pool = self._replay(root) if self.graphs else self.rollout(root, self.tau)
-        tok, par, score = (t.tolist() for t in pool)
+        # one device-to-host copy for the three [B, P] tensors (float64 holds the ids exactly)
+        host = torch.stack([t.double() for t in pool], 1).tolist()  # [B][3][P]
+        tok = [[int(x) for x in r[0]] for r in host]
+        par = [[int(x) for x in r[1]] for r in host]
+        score = [r[2] for r in host]
         rows = [tree.build(r, tok[b], par[b], score[b], self.budget, self.tau) for b, r in enumerate(roots)]
         return pad_drafts(rows, device=dev)
 
