@@ -133,7 +133,7 @@ class SpecLA:
 
     # drafters -------------------------------------------------------------------------------
     def drafter(self, route: str, chain_length: int = 8, tree_topk: int = 4, tree_budget: int = 16,
-                tree_depth: int = 6, tree_tau: float | None = None, drafter: str = "auto") -> Drafter | None:
+                tree_depth: int = 8, tree_tau: float | None = None, drafter: str = "auto") -> Drafter | None:
         """The drafter serving a route: the checkpoint's trained EAGLE drafter (`<model>/drafter/`)
         when there is one and `drafter` is not "ngram", else prompt lookup."""
         if route not in ROUTES:
@@ -179,7 +179,7 @@ class SpecLA:
     # generation -----------------------------------------------------------------------------
     def generate(self, prompt, route: str = "tree", max_new_tokens: int = 128, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, chat: bool | None = None, chain_length: int = 8,
-                 tree_topk: int = 4, tree_budget: int = 16, tree_depth: int = 6, tree_tau: float | None = None,
+                 tree_topk: int = 4, tree_budget: int = 16, tree_depth: int = 8, tree_tau: float | None = None,
                  drafter: str = "auto", delayed: bool = True, on_text=None) -> Generation:
         ids = self.encode_prompt(prompt, chat)
         key = (route, chain_length, tree_topk, tree_budget, tree_depth, tree_tau, drafter)

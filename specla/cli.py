@@ -35,7 +35,8 @@ def generate(
     chain_length: int = typer.Option(8, "--chain-length", help="Draft tokens per chain round."),
     tree_topk: int = typer.Option(4, "--tree-topk", help="Children per node in draft trees."),
     tree_budget: int = typer.Option(16, "--tree-budget", help="Draft nodes per tree round."),
-    tree_depth: int = typer.Option(6, "--tree-depth", help="Deepest draft-tree level (trained drafter)."),
+    tree_depth: int = typer.Option(8, "--tree-depth", help="Deepest draft-tree level (trained drafter); "
+                                   "8 matches the chain length (held-out training prompts: tau 5.33 vs 4.89 at 6)."),
     tree_tau: Optional[float] = typer.Option(None, "--tree-tau", help="Confidence pruning: keep nodes within "
                                              "tau nats of the best cumulative log-probability."),
     drafter: str = typer.Option("auto", help="auto (the checkpoint's trained drafter, else ngram) | eagle | ngram"),

@@ -35,7 +35,7 @@ def _route_kwargs(route: str) -> dict:
         "ar": dict(route="ar"),
         "fla": dict(route="fla", chain_length=8),
         "chain": dict(route="chain", chain_length=8),
-        "tree": dict(route="tree", tree_topk=4, tree_budget=16),
+        "tree": dict(route="tree", tree_topk=4, tree_budget=16, tree_depth=8),
         "ngram": dict(route="tree", drafter="ngram", tree_topk=4, tree_budget=16),
     }[route]
 
@@ -150,6 +150,7 @@ def summarise(out_dir, name: str, suites, routes, max_new_tokens: int, complete:
     devices = sorted({r.get("device") for s in records.values() for rt in s.values() for r in rt.values()} - {None})
     dtypes = sorted({r.get("dtype") for s in records.values() for rt in s.values() for r in rt.values()} - {None})
     result = {"max_new_tokens": max_new_tokens, "complete": complete, **(extra or {}),
+              "route_options": {r: _route_kwargs(r) for r in routes},
               "suites": {s: {r: _summarise(records.get(s, {}), r) for r in routes if r != "ar"} for s in suites}}
     if devices:
         result["device"] = devices[0] if len(devices) == 1 else devices
