@@ -18,6 +18,7 @@ from specla.checkpoint import load_model, save_model
 from specla.config import ModelConfig
 from specla.decode import Decoder
 from specla.drafters import tree
+from specla.drafters.base import pad_drafts
 from specla.drafters.eagle import (EagleConfig, EagleDrafter, EagleDrafterModel, find_drafter, load_drafter,
                                    save_drafter)
 from specla.errors import CheckpointError, InputError
@@ -364,3 +365,28 @@ def test_sampling_is_lossless():
     drafter = EagleDrafter(random_drafter(cfg, 7), model, topk=2, depth=2, initial_capacity=16)
     rows, _, _ = Decoder(model, drafter, "tree", sampling=Sampling(1.0, 0.9, seed=3)).run(torch.tensor([prompt] * N), 3)
     assert check_fit(empirical(rows, cfg.vocab_size), probs) > 0.001
+
+
+@settings(max_examples=80, deadline=None)
+@given(shape=shapes, vocab=st.integers(3, 6), seeds=st.lists(st.integers(0, 10**6), min_size=1, max_size=3),
+       budget=st.integers(1, 12), tau=st.one_of(st.none(), st.floats(0, 8)))
+def test_build_batch_equals_build(shape, vocab, seeds, budget, tau):
+    """The on-device select + pack of a batch equals `build` + `pad_drafts` row by row (ties
+    included: the fake scorer's log-probabilities are coarse)."""
+    topk, depth = shape
+    pools = []
+    for seed in seeds:
+        step, _ = _fake_scorer(vocab, seed)
+        coarse = lambda d, t, src, _s=step: (_s(d, t, src) * 2).round() / 2  # noqa: E731  (ties)
+        pools.append(tree.beam_search(coarse, torch.tensor([0]), topk, depth))  # full rollout, as graphs run it
+    tok, par, score = (torch.cat([p[i] for p in pools]) for i in range(3))
+    root = torch.arange(7, 7 + len(seeds))
+    out_tok, out_par, valid = tree.build_batch(root, tok, par, score, budget, tau, max_depth=depth)
+    M = min(budget, tok.shape[1])
+    assert out_tok.shape == out_par.shape == (len(seeds), M + 1)
+    for b in range(len(seeds)):
+        want_tok, want_par = tree.build(int(root[b]), tok[b].tolist(), par[b].tolist(), score[b].tolist(), budget, tau)
+        n = len(want_tok)
+        assert int(valid[b]) == n
+        pad = pad_drafts([(want_tok, want_par), ([0] * (M + 1), list(range(-1, M)))])
+        assert out_tok[b].tolist() == pad.tokens[0].tolist() and out_par[b].tolist() == pad.parents[0].tolist()

@@ -42,7 +42,7 @@ from specla import topology
 from specla.attention import apply_rotary, rotary_inv_freq
 from specla.config import ModelConfig
 from specla.drafters import tree
-from specla.drafters.base import Draft, DraftContext, Drafter, pad_drafts
+from specla.drafters.base import Draft, DraftContext, Drafter
 from specla.errors import CheckpointError, InputError
 from specla.model import GatedMLP, Model, RMSNorm
 
@@ -349,14 +349,11 @@ class EagleDrafter(Drafter):
         if not self.started:  # a one-token prompt: no feature to draft from yet
             return Draft(root[:, None], topology.chain(1, len(roots), device=dev))
         self._reserve(self.entries)
+        # with graphs the whole rollout runs (the graph cannot stop early); selection and packing
+        # stay on the device either way, so a round reads nothing back before the verify
         pool = self._replay(root) if self.graphs else self.rollout(root, self.tau)
-        # one device-to-host copy for the three [B, P] tensors (float64 holds the ids exactly)
-        host = torch.stack([t.double() for t in pool], 1).tolist()  # [B][3][P]
-        tok = [[int(x) for x in r[0]] for r in host]
-        par = [[int(x) for x in r[1]] for r in host]
-        score = [r[2] for r in host]
-        rows = [tree.build(r, tok[b], par[b], score[b], self.budget, self.tau) for b, r in enumerate(roots)]
-        return pad_drafts(rows, device=dev)
+        tokens, parents, valid = tree.build_batch(root, *pool, self.budget, self.tau, max_depth=self.depth)
+        return Draft(tokens, parents, valid=valid)
 
     @torch.no_grad()
     def rollout(self, root: torch.Tensor, tau: float | None = None):

@@ -18,6 +18,9 @@ children come best first, so node 1 is the drafter's best first token.
 
 The pool is a flat list in the order the rollout proposes it (`parents[i] < i`, -1 = the
 root), so selection and packing are plain functions over scores, testable without a model.
+`build_batch` does select + pack for a batch of rollouts on the device, with static shapes and
+no host read (the drafter's round stays inside its graph); it relies on the rollout's scores
+being monotone, so it equals `build` on every pool `beam_search` produces.
 `beam_search` runs the rollout on device tensors around a scoring callback (the drafter's
 forward), `expand` is its per-depth step, and `entry_ancestors` the drafter-side tree mask
 that lets one forward score all beams of a depth.
@@ -143,3 +146,51 @@ def build(root: int, tokens: list[int], parents: list[int], scores: list[float],
           tau: float | None = None) -> tuple[list[int], list[int]]:
     """Select and pack: the pruned draft tree of one row."""
     return pack(root, tokens, parents, scores, select(scores, parents, budget, tau))
+
+
+def _rank(keys: list[torch.Tensor]) -> torch.Tensor:
+    """Column indices of [B, n] keys sorted ascending by the keys, most significant first, then
+    by index (stable sorts, least significant key first)."""
+    B, n = keys[0].shape
+    order = torch.arange(n, device=keys[0].device).expand(B, n)
+    for key in reversed(keys):
+        order = order.gather(1, key.gather(1, order).sort(dim=1, stable=True).indices)
+    return order
+
+
+def build_batch(root: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor,
+                budget: int, tau: float | None = None, max_depth: int | None = None):
+    """`build` for every row of a `beam_search` pool, on the device: (tokens, parents, valid),
+    [B, M + 1] with M = min(budget, P) and valid[b] = 1 + the nodes row b keeps. Rows that keep
+    fewer than M nodes are padded as `pad_drafts` pads: a chain under their last node repeating
+    its token, ignored by acceptance past `valid`. max_depth: the rollout's depth (default P).
+
+    Scores never increase along a rollout path, so ranking the window by (-q, depth, pool order)
+    lists every node after its ancestors: its first min(budget, |window|) nodes are what
+    `select` keeps, with no join needed.
+    """
+    B, P = scores.shape
+    dev = scores.device
+    M = min(budget, P)
+    depth = torch.ones(B, P, dtype=torch.long, device=dev)
+    for _ in range((max_depth or P) - 1):  # parents[i] < i: depth d is right after d - 1 rounds
+        depth = torch.where(parents < 0, 1, depth.gather(1, parents.clamp(min=0)) + 1)
+    inside = torch.ones_like(scores, dtype=torch.bool) if tau is None else \
+        scores >= scores.amax(1, keepdim=True) - tau
+    count = inside.sum(1).clamp(max=M)  # nodes kept per row
+    kept = _rank([(~inside).long(), -scores, depth])[:, :M]  # pool indices, window first
+    live = torch.arange(M, device=dev)[None] < count[:, None]
+    # pack the live ones depth by depth, best score first, pool order; dead slots last
+    d, q = depth.gather(1, kept), scores.gather(1, kept)
+    order = kept.gather(1, _rank([torch.where(live, d, P + 1), -q, kept]))
+    live = live.gather(1, _rank([torch.where(live, d, P + 1), -q, kept]))
+    pos = torch.zeros(B, P, dtype=torch.long, device=dev)  # pool index -> output position
+    pos.scatter_(1, order, torch.arange(1, M + 1, device=dev).expand(B, M).contiguous())
+    par = parents.gather(1, order)
+    out_par = torch.where(par < 0, 0, pos.gather(1, par.clamp(min=0)))
+    out_tok = torch.cat([root[:, None], tokens.gather(1, order)], 1)
+    # padding: a chain under the last kept node, repeating its token
+    last = out_tok.gather(1, count[:, None])
+    out_tok[:, 1:] = torch.where(live, out_tok[:, 1:], last)
+    out_par = torch.where(live, out_par, torch.arange(M, device=dev)[None])
+    return out_tok, torch.cat([torch.full((B, 1), -1, dtype=torch.long, device=dev), out_par], 1), count + 1
