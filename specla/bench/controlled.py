@@ -128,8 +128,8 @@ class ChainRuntime:
     # the pieces of a round --------------------------------------------------------------------
     def draft(self) -> torch.Tensor:
         d = self.drafter
-        pool = d._replay(self.root) if self.graphs else d.rollout(self.root)
-        return torch.cat([self.root[:, None], pool[0]], 1)  # top-1 rollout: the chain, depth order
+        tokens, _, _ = d._replay(self.root) if self.graphs else d.draft(self.root)
+        return tokens  # top-1 rollout: the root and the chain, depth order
 
     def verify(self, tokens):
         return self.target.verify(tokens, self.parents, self.capture)

@@ -349,11 +349,19 @@ class EagleDrafter(Drafter):
         if not self.started:  # a one-token prompt: no feature to draft from yet
             return Draft(root[:, None], topology.chain(1, len(roots), device=dev))
         self._reserve(self.entries)
-        # with graphs the whole rollout runs (the graph cannot stop early); selection and packing
-        # stay on the device either way, so a round reads nothing back before the verify
-        pool = self._replay(root) if self.graphs else self.rollout(root, self.tau)
-        tokens, parents, valid = tree.build_batch(root, *pool, self.budget, self.tau, max_depth=self.depth)
+        # selection and packing run on the device, inside the rollout's graph when there is one
+        # (which runs every depth: a graph cannot stop early), so a round reads nothing back
+        # before the verify
+        if self.graphs:
+            tokens, parents, valid = self._replay(root)
+        else:
+            tokens, parents, valid = self.draft(root, self.tau)
         return Draft(tokens, parents, valid=valid)
+
+    def draft(self, root: torch.Tensor, tau: float | None = None):
+        """Rollout, selection and packing: the verifier's (tokens, parents, valid)."""
+        pool = self.rollout(root, tau)
+        return tree.build_batch(root, *pool, self.budget, self.tau, max_depth=self.depth)
 
     @torch.no_grad()
     def rollout(self, root: torch.Tensor, tau: float | None = None):
@@ -391,7 +399,7 @@ class EagleDrafter(Drafter):
         return tree.beam_search(step, root, k, self.depth, tau)
 
     def _replay(self, root: torch.Tensor):
-        """The rollout from a CUDA graph over static buffers (root, len, pending, cache)."""
+        """`draft` from a CUDA graph over static buffers (root, len, pending, cache)."""
         if self._graph is None:
             self._root = root.clone()
             # warm up on a side stream (fills caches such as the rotary table), then capture;
@@ -400,11 +408,11 @@ class EagleDrafter(Drafter):
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    self.rollout(self._root)
+                    self.draft(self._root)
             torch.cuda.current_stream().wait_stream(side)
             self._graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self._graph):
-                self._pool = self.rollout(self._root)
+                self._pool = self.draft(self._root)
         self._root.copy_(root)
         self._graph.replay()
         return self._pool
