@@ -68,7 +68,7 @@ drafter() {  # drafter MINUTES: train the EAGLE drafter of the demo target
 
 block() {  # block NAME MINUTES ARGS...: one block-drafter training run, log in the stage
   local name=$1 mins=$2; shift 2
-  timeout $(( ${mins%.*} * 60 + 120 )) $SPECLA train block-drafter --target specla/models/demo --data /tmp/responses.npz \
+  timeout $(( ${mins%.*} * 60 + 120 )) $SPECLA train drafter --target specla/models/demo --data /tmp/responses.npz \
     --out "$BD/$name" --max-minutes "$mins" --total-minutes "$mins" "$@" > "$STAGE/$name.log" 2>&1
   tail -n 1 "$STAGE/$name.log"
 }

@@ -169,7 +169,7 @@ class SpecLA:
             path = find_block_drafter(self.model_dir, route)
             if path is None:
                 raise InputError(f"{self.model_dir} has no {route}/ directory (train one with "
-                                 f"`specla train block-drafter --kind {route}`)")
+                                 f"`specla train drafter --kind {route}`)")
             cls = DSparkDrafter if route == "dspark" else ReadyDrafter
             return cls.load(path, self.model, block=min(chain_length, 7), graphs=self.model.device.type == "cuda")
         from specla.drafters.mtp import MTPDrafter

@@ -167,64 +167,57 @@ def bench_agreement(
         quick=quick, compile=compile, out_dir=out)
 
 
+DRAFTER_KINDS = ("eagle", "dspark", "ready", "dspark-ft")
+
+
 @train_app.command("drafter")
 def train_drafter_cmd(
     target: Path = typer.Option(..., help="Target checkpoint directory."),
     data: Path = typer.Option(..., help="Responses .npz from `specla data responses`."),
     out: Path = typer.Option(..., help="Run directory (checkpoint, log, export/). Re-run to resume."),
-    total_minutes: float = typer.Option(8.0),
-    max_minutes: float = typer.Option(8.0),
-    total_steps: Optional[int] = typer.Option(None),
-    batch_size: int = typer.Option(32),
-    seq_len: int = typer.Option(768),
-    lr: float = typer.Option(1e-3),
-    unroll: int = typer.Option(6, help="Training-time-test steps (drafter fed its own outputs)."),
-    feature_layers: Optional[str] = typer.Option(None, help="Comma-separated target layers (default L/4, L/2, L-1)."),
-    device: str = typer.Option("auto"),
-    init_from: Optional[Path] = typer.Option(None),
-):
-    """Train the EAGLE-style drafter of a target (bf16 autocast; torchrun for several GPUs)."""
-    from specla.train.drafter import train_drafter
-
-    layers = [int(x) for x in feature_layers.split(",")] if feature_layers else None
-    typer.echo(json.dumps(train_drafter(
-        target, out, data, total_steps=total_steps, total_minutes=total_minutes, max_minutes=max_minutes,
-        batch_size=batch_size, seq_len=seq_len, lr=lr, unroll=unroll, feature_layers=layers, device=device,
-        init_from=init_from)))
-
-
-@train_app.command("block-drafter")
-def train_block_drafter_cmd(
-    target: Path = typer.Option(..., help="Target checkpoint directory."),
-    data: Path = typer.Option(..., help="Responses .npz from `specla data responses`."),
-    out: Path = typer.Option(..., help="Run directory (checkpoint, log, export/). Re-run to resume."),
-    kind: str = typer.Option("dspark", help="dspark (from scratch) | ready | dspark-ft (the fine-tuned control)"),
+    kind: str = typer.Option("eagle", help="eagle (chain/tree routes) | dspark (from scratch) | ready (two "
+                             "stages, from a DSpark export) | dspark-ft (ReaDy's control: DSpark fine-tuned)"),
     stage: int = typer.Option(1, help="ReaDy stage: 1 = the reader only, 2 = the whole drafter."),
-    init_from: Optional[Path] = typer.Option(None, help="Export to start from: DSpark for ready stage 1 and "
-                                             "dspark-ft, the stage-1 ReaDy export for stage 2."),
+    init_from: Optional[Path] = typer.Option(None, help="Export to start from (block drafters: DSpark for ready "
+                                             "stage 1 and dspark-ft, the stage-1 ReaDy export for stage 2)."),
     total_minutes: float = typer.Option(8.0),
     max_minutes: float = typer.Option(8.0),
     total_steps: Optional[int] = typer.Option(None),
     batch_size: int = typer.Option(32),
     seq_len: int = typer.Option(768),
-    anchors: int = typer.Option(16, help="Draft blocks per sequence per step."),
-    lr: Optional[float] = typer.Option(None, help="Peak LR (default 1e-3 dspark, 1e-4 stage 1, 5e-5 stage 2 / dspark-ft)."),
-    source_layers: Optional[str] = typer.Option(None, help="ReaDy: comma-separated target GDN layers to read."),
-    reader_rank: Optional[str] = typer.Option(None, help="ReaDy: reader rank (default 8) or 'full'."),
-    inject_layers: Optional[str] = typer.Option(None, help="ReaDy: comma-separated draft layers that add the read."),
-    inject_site: Optional[str] = typer.Option(None, help="ReaDy: post (after attention, default) | pre."),
+    lr: Optional[float] = typer.Option(None, help="Peak LR (default 1e-3 eagle and dspark, 1e-4 ready stage 1, "
+                                       "5e-5 stage 2 and dspark-ft)."),
+    unroll: int = typer.Option(6, help="eagle: training-time-test steps (drafter fed its own outputs)."),
+    feature_layers: Optional[str] = typer.Option(None, help="eagle: comma-separated target layers "
+                                                 "(default L/4, L/2, L-1)."),
+    anchors: int = typer.Option(16, help="Block drafters: draft blocks per sequence per step."),
+    source_layers: Optional[str] = typer.Option(None, help="ready: comma-separated target GDN layers to read."),
+    reader_rank: Optional[str] = typer.Option(None, help="ready: reader rank (default 8) or 'full'."),
+    inject_layers: Optional[str] = typer.Option(None, help="ready: comma-separated draft layers that add the read."),
+    inject_site: Optional[str] = typer.Option(None, help="ready: post (after attention, default) | pre."),
     device: str = typer.Option("auto"),
 ):
-    """Train a parallel block drafter: DSpark, ReaDy (two stages) or the fine-tuned DSpark control."""
-    from specla.train.block_drafter import train_block_drafter
-
+    """Train a drafter of a target on its own responses (bf16 autocast; torchrun for several GPUs)."""
+    if kind not in DRAFTER_KINDS:
+        raise InputError(f"--kind {kind!r}: choose one of {', '.join(DRAFTER_KINDS)}")
     ints = lambda s: [int(x) for x in s.split(",")] if s else None  # noqa: E731
-    rank = reader_rank if reader_rank in (None, "full") else int(reader_rank)
-    typer.echo(json.dumps(train_block_drafter(
-        target, out, data, kind=kind, init_from=init_from, stage=stage, total_steps=total_steps,
-        total_minutes=total_minutes, max_minutes=max_minutes, batch_size=batch_size, seq_len=seq_len,
-        anchors=anchors, lr=lr, source_layers=ints(source_layers), reader_rank=rank,
-        inject_layers=ints(inject_layers), inject_site=inject_site, device=device)))
+    if kind == "eagle":
+        from specla.train.drafter import train_drafter
+
+        summary = train_drafter(
+            target, out, data, total_steps=total_steps, total_minutes=total_minutes, max_minutes=max_minutes,
+            batch_size=batch_size, seq_len=seq_len, lr=1e-3 if lr is None else lr, unroll=unroll,
+            feature_layers=ints(feature_layers), device=device, init_from=init_from)
+    else:
+        from specla.train.block_drafter import train_block_drafter
+
+        rank = reader_rank if reader_rank in (None, "full") else int(reader_rank)
+        summary = train_block_drafter(
+            target, out, data, kind=kind, init_from=init_from, stage=stage, total_steps=total_steps,
+            total_minutes=total_minutes, max_minutes=max_minutes, batch_size=batch_size, seq_len=seq_len,
+            anchors=anchors, lr=lr, source_layers=ints(source_layers), reader_rank=rank,
+            inject_layers=ints(inject_layers), inject_site=inject_site, device=device)
+    typer.echo(json.dumps(summary))
 
 
 @bench_app.command("ready")

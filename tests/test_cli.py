@@ -136,3 +136,19 @@ def test_api_rejects_bad_ids_and_topologies(model_dir):
         lm.verify("hello there", [ids[-1], 5], [0, 0])
     logits = lm.verify("hello there", [ids[-1], 5, 6], [-1, 0, 0])
     assert logits.shape == (3, V)
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["train", "drafter", "--kind", "medusa"], "--kind 'medusa': choose one of eagle, dspark, ready, dspark-ft"),
+    (["data", "responses", "--shard", "2/2"], "--shard"),
+    (["bench", "e2e", "--routes", "ar,beam"], "unknown route or suite"),
+    (["bench", "ready", "--rows", "ready,medusa"], "--rows"),
+])
+def test_bad_cli_options_one_line_error(model_dir, tmp_path, args, msg):
+    extra = {"train": ["--target", str(model_dir), "--data", str(tmp_path / "x.npz"), "--out", str(tmp_path / "run")],
+             "data": ["--target", str(model_dir), "--out", str(tmp_path / "r.npz")],
+             "bench": ["--out", str(tmp_path)]}[args[0]]
+    code, out, err = specla(*args, *extra)
+    assert code == 2, err
+    assert msg in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1

@@ -1,7 +1,7 @@
 """`specla bench ready`: ReaDy vs DSpark (ReaDy Table 1-6, Fig. 4-5) on the demo target.
 
-    python -m specla.bench.ready                        # GPU: benchmarks/results/ready.{json,png}
-    python -m specla.bench.ready --device cpu --quick   # smoke test (random drafters if none trained)
+    specla bench ready                        # GPU: benchmarks/results/ready.{json,png}
+    specla bench ready --device cpu --quick   # smoke test (random drafters if none trained)
 
 Rows per suite (`mixed`: the 480-prompt EAGLE suite, `gsm8k` test, `humaneval`): `ar`,
 `dspark`, `dspark_ft` (the fine-tuned control) and `ready`, plus any `--variant NAME=DIR`
@@ -34,7 +34,6 @@ next to the results lets a run cut short resume.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -400,35 +399,3 @@ def _print(result: dict) -> None:
     for r in result.get("operator", []):
         print(f"operator {r['shape']:16s} unfused {r['unfused_us']:9.1f} us  fused {r['fused_us']:9.1f} us  "
               f"({-100 * r['reduction']:+.1f}%)  rel err reads {r['rel_err_reads']:.1e} state {r['rel_err_state']:.1e}")
-
-
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--target", default=None)
-    ap.add_argument("--dspark", default=None)
-    ap.add_argument("--dspark-ft", default=None)
-    ap.add_argument("--ready", default=None)
-    ap.add_argument("--variant", action="append", default=[], help="NAME=DIR: another trained drafter row (ablations)")
-    ap.add_argument("--suites", default=",".join(SUITES))
-    ap.add_argument("--n-prompts", type=int, default=80)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--threshold", type=float, default=0.0)
-    ap.add_argument("--no-graphs", action="store_true")
-    ap.add_argument("--immediate-commit", action="store_true")
-    ap.add_argument("--no-operator", action="store_true")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--max-minutes", type=float, default=None)
-    ap.add_argument("--out", default=str(RESULTS))
-    ap.add_argument("--rows", default=",".join(ROWS), help="which of the standard rows to run (besides ar)")
-    ap.add_argument("--name", default=None, help="result file stem (default: ready)")
-    a = ap.parse_args(argv)
-    run(a.target, a.dspark, a.dspark_ft, a.ready, dict(v.split("=", 1) for v in a.variant),
-        tuple(s for s in a.suites.split(",") if s), a.n_prompts, a.max_new_tokens, a.device,
-        graphs=False if a.no_graphs else None, threshold=a.threshold, delayed=not a.immediate_commit,
-        operator=not a.no_operator, quick=a.quick, max_minutes=a.max_minutes, out_dir=a.out,
-        rows=tuple(r for r in a.rows.split(",") if r), name=a.name)
-
-
-if __name__ == "__main__":
-    main()

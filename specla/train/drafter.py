@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 
 from specla.drafters.eagle import EagleConfig, EagleDrafterModel, load_drafter, save_drafter
+from specla.errors import InputError
 from specla.model import Model
 from specla.train.dist import setup, wrap
 from specla.train.loop import RunClock, save_checkpoint
@@ -257,7 +258,7 @@ def collect_responses(target_dir, out_file, n_prompts: int = 8192, max_new_token
     header = chat_header(tok)
     k, n = shard
     if not 0 <= k < n:
-        raise ValueError(f"shard {k}/{n}: need 0 <= k < n")
+        raise InputError(f"--shard {k}/{n}: need 0 <= K < N")
     picked = training_prompts(corpus_dir, n_prompts, gsm8k_share, seed)[k::n]
     prompts = [cut(tok.apply_chat_template(turns), max_prompt_tokens, header) for _, turns in picked]
     eos = tok.eos_token_ids | set(model.cfg.eos_token_id)
