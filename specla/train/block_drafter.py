@@ -57,7 +57,7 @@ from specla.model import GatedDeltaNet, Model
 from specla.ops.conv import naive as conv_ref
 from specla.ops.reader import naive as reader_ref
 from specla.train.drafter import ResponseBatches, ResponseSet
-from specla.train.loop import RunClock, save_checkpoint
+from specla.train.loop import RunClock, optimizer_step, save_checkpoint
 
 KINDS = ("dspark", "dspark-ft", "ready")
 # ReaDy Table 8: AdamW (0.9, 0.999), eps 1e-8, no weight decay; stage 1 lr 1e-4, stage 2 lr 5e-5
@@ -424,19 +424,11 @@ def train_block_drafter(target_dir, out_dir, data, kind: str = "dspark", init_fr
         t0 = time.time()
         *args, states = _batch(target, model, train, step, anchors, seed, rank, dev, chunk)
         cur_lr = clock.lr(step, lr, warmup)
-        for grp in opt.param_groups:
-            grp["lr"] = cur_lr
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            loss, stats = net(*args, target.lm_head.weight, states)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(train_params, 1.0)
-        opt.step()
+        (loss, stats), gnorm = optimizer_step(opt, train_params, cur_lr, dev,
+                                              lambda: net(*args, target.lm_head.weight, states))
         step += 1
         seqs_seen += batch_size * world
-        if dev.type == "cuda" and (step % 10 == 0 or clock.timing_step()):
-            torch.cuda.synchronize()
-        train_seconds += time.time() - t0
+        train_seconds += clock.step_seconds(step, t0)
         if clock.step_done(step, train_seconds):
             bar.total = clock.total_steps
         bar.update(1)

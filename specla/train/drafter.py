@@ -39,7 +39,7 @@ from specla.drafters.eagle import EagleConfig, EagleDrafterModel, load_drafter, 
 from specla.errors import InputError
 from specla.model import Model
 from specla.train.dist import setup, wrap
-from specla.train.loop import RunClock, save_checkpoint
+from specla.train.loop import RunClock, optimizer_step, save_checkpoint
 
 
 # --------------------------------------------------------------------------- prompts
@@ -442,19 +442,11 @@ def train_drafter(target_dir, out_dir, data, total_steps: int | None = None, tot
         tokens, valid = (t.to(dev, non_blocking=True) for t in train.get(step))
         hidden, emb, logp = target_side(target, tokens, cfg.feature_layers)
         cur_lr = clock.lr(step, lr, warmup)
-        for grp in opt.param_groups:
-            grp["lr"] = cur_lr
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            loss, top1 = net(hidden, emb, logp, valid, target.lm_head.weight)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
+        (loss, top1), gnorm = optimizer_step(opt, drafter.parameters(), cur_lr, dev,
+                                             lambda: net(hidden, emb, logp, valid, target.lm_head.weight))
         step += 1
         seqs_seen += batch_size * world
-        if dev.type == "cuda" and (step % 10 == 0 or clock.timing_step()):
-            torch.cuda.synchronize()
-        train_seconds += time.time() - t0
+        train_seconds += clock.step_seconds(step, t0)
         if clock.step_done(step, train_seconds):
             bar.total = clock.total_steps
         bar.update(1)

@@ -48,6 +48,14 @@ class RunClock:
         """Whether the step about to finish is one the calibration times exactly (sync first)."""
         return self.run_steps + 1 in (WARM_STEPS, WARM_STEPS + CALIBRATION_STEPS)
 
+    def step_seconds(self, step: int, t0: float) -> float:
+        """Seconds since t0 for the step just finished (step counts it). The GPU is synchronised
+        every 10 steps and on the calibration steps, so the training time stays honest without a
+        sync per step."""
+        if self.device.type == "cuda" and (step % 10 == 0 or self.timing_step()):
+            torch.cuda.synchronize()
+        return time.time() - t0
+
     def step_done(self, step: int, train_seconds: float) -> bool:
         """Count a finished step; True when it just fixed the schedule length."""
         self.run_steps += 1
@@ -75,6 +83,21 @@ class RunClock:
             self.last_checkpoint = time.time()
             return True
         return False
+
+
+def optimizer_step(opt, params, lr: float, device: torch.device, forward):
+    """One optimiser step at learning rate lr: forward() under bf16 autocast on CUDA (it returns
+    the loss, or a tuple whose first item is the loss), backward, gradient clipping at 1.0.
+    Returns forward's result and the gradient norm."""
+    for grp in opt.param_groups:
+        grp["lr"] = lr
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        out = forward()
+    opt.zero_grad(set_to_none=True)
+    (out[0] if isinstance(out, tuple) else out).backward()
+    gnorm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    return out, gnorm
 
 
 def save_checkpoint(state: dict, path) -> None:

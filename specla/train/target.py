@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from specla.config import ModelConfig
 from specla.model import Model
 from specla.train.dist import setup, wrap
-from specla.train.loop import RunClock, save_checkpoint
+from specla.train.loop import RunClock, optimizer_step, save_checkpoint
 
 def demo_config(tokenizer) -> ModelConfig:
     """The shipped demo target: depth over width within the 28 MB budget (DESIGN §9)."""
@@ -149,19 +149,10 @@ def train_target(out_dir, corpus_dir, tokenizer_dir, config: ModelConfig | None 
         t0 = time.time()
         batch = train.get(step).to(dev, non_blocking=True)
         cur_lr = clock.lr(step, lr, warmup)
-        for grp in opt.param_groups:
-            grp["lr"] = cur_lr
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            loss = net(batch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss, gnorm = optimizer_step(opt, model.parameters(), cur_lr, dev, lambda: net(batch))
         step += 1
         tokens_seen += batch_size * seq_len * world
-        if dev.type == "cuda" and (step % 10 == 0 or clock.timing_step()):
-            torch.cuda.synchronize()
-        train_seconds += time.time() - t0
+        train_seconds += clock.step_seconds(step, t0)
         if clock.step_done(step, train_seconds):
             bar.total = clock.total_steps
         bar.update(1)
