@@ -71,3 +71,26 @@ def pad_drafts(rows: list[tuple[list[int], list[int]]], device=None) -> Draft:
     valid = None if all(len(t) == n for t, _ in rows) else torch.tensor([len(t) for t, _ in rows], device=device)
     return Draft(torch.tensor(toks, dtype=torch.long, device=device),
                  torch.tensor(pars, dtype=torch.long, device=device), valid=valid)
+
+
+def kv_room(capacity: int, bound: int, extra: int, length: torch.Tensor) -> tuple[int, int | None]:
+    """Room for `extra` more cache entries per row past `length` [B] (device).
+
+    `bound` is a host-side upper bound of max(length), so the common case needs no host read;
+    only when it says the cache may be full is the true maximum read. Returns (the new bound,
+    the capacity to grow the cache to, or None when it fits): at least double, so growth (and
+    the recapture of any graph over the cache) is rare.
+    """
+    if bound + extra <= capacity:
+        return bound, None
+    bound = int(length.max())
+    if bound + extra <= capacity:
+        return bound, None
+    return bound, max(2 * capacity, bound + extra)
+
+
+def grown(cache: torch.Tensor, capacity: int) -> torch.Tensor:
+    """A [B, H, capacity, D] copy of a [B, H, T, D] cache, zero past T."""
+    out = cache.new_zeros(*cache.shape[:2], capacity, cache.shape[3])
+    out[:, :, :cache.shape[2]] = cache
+    return out

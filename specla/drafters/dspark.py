@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from specla.attention import apply_rotary, rotary_inv_freq
 from specla.config import ModelConfig
-from specla.drafters.base import Draft, DraftContext, Drafter
+from specla.drafters.base import Draft, DraftContext, Drafter, grown, kv_room
 from specla.drafters.eagle import check_fits_target, default_feature_layers
 from specla.errors import CheckpointError, InputError
 from specla.model import GatedMLP, Model, RMSNorm
@@ -353,19 +353,11 @@ class DSparkDrafter(Drafter):
         self._graph_key = None
 
     def _reserve(self, extra: int) -> None:
-        cap = self.k[0].shape[2]
-        if self._bound + extra <= cap:
-            return
-        self._bound = int(self.len.max())
-        if self._bound + extra <= cap:
-            return
-        new = max(2 * cap, self._bound + extra)
-        for buf in (self.k, self.v):
-            for i, t in enumerate(buf):
-                grown = t.new_zeros(t.shape[0], t.shape[1], new, t.shape[3])
-                grown[:, :, :cap] = t
-                buf[i] = grown
-        self._graph = None
+        self._bound, new = kv_room(self.k[0].shape[2], self._bound, extra, self.len)
+        if new is not None:
+            self.k = [grown(t, new) for t in self.k]
+            self.v = [grown(t, new) for t in self.v]
+            self._graph = None
 
     @torch.no_grad()
     def extend(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], length: torch.Tensor) -> None:

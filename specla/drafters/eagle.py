@@ -42,7 +42,7 @@ from specla import topology
 from specla.attention import apply_rotary, rotary_inv_freq
 from specla.config import ModelConfig
 from specla.drafters import tree
-from specla.drafters.base import Draft, DraftContext, Drafter
+from specla.drafters.base import Draft, DraftContext, Drafter, grown, kv_room
 from specla.errors import CheckpointError, InputError
 from specla.model import GatedMLP, Model, RMSNorm
 
@@ -299,18 +299,10 @@ class EagleDrafter(Drafter):
         self._graph = None
 
     def _reserve(self, extra: int) -> None:
-        cap = self.k.shape[2]
-        if self._bound + extra <= cap:
-            return
-        self._bound = int(self.len.max())
-        if self._bound + extra <= cap:
-            return
-        B, H, _, hd = self.k.shape
-        new = max(2 * cap, self._bound + extra)
-        k, v = self.k.new_zeros(B, H, new, hd), self.v.new_zeros(B, H, new, hd)
-        k[:, :, :cap], v[:, :, :cap] = self.k, self.v
-        self.k, self.v = k, v
-        self._graph = None  # a captured rollout holds the old buffers
+        self._bound, new = kv_room(self.k.shape[2], self._bound, extra, self.len)
+        if new is not None:
+            self.k, self.v = grown(self.k, new), grown(self.v, new)
+            self._graph = None  # a captured rollout holds the old buffers
 
     def _store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         B, n, H, hd = k.shape

@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from specla import topology
 from specla.config import ModelConfig
-from specla.drafters.base import Draft, DraftContext, Drafter
+from specla.drafters.base import Draft, DraftContext, Drafter, grown, kv_room
 from specla.errors import CheckpointError
 from specla.hybrid_formats import mtp_to_canonical, read_mtp_state_dict
 from specla.model import Block, Model, RMSNorm
@@ -118,19 +118,9 @@ class MTPDrafter(Drafter):
         self.pending: torch.Tensor | None = None  # [B, D] hidden whose next token is not yet known
 
     def _reserve(self, extra: int) -> None:
-        cap = self.st.k.shape[2]
-        if self._bound + extra <= cap:
-            return
-        self._bound = int(self.len.max())
-        if self._bound + extra <= cap:
-            return
-        new = max(2 * cap, self._bound + extra)
-        B, H, _, D = self.st.k.shape
-        k = self.st.k.new_zeros(B, H, new, D)
-        v = self.st.v.new_zeros(B, H, new, D)
-        k[:, :, :cap] = self.st.k
-        v[:, :, :cap] = self.st.v
-        self.st = KVLayerState(k, v)
+        self._bound, new = kv_room(self.st.k.shape[2], self._bound, extra, self.len)
+        if new is not None:
+            self.st = KVLayerState(grown(self.st.k, new), grown(self.st.v, new))
 
     # Drafter API ---------------------------------------------------------------------------
     @torch.no_grad()
