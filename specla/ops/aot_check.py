@@ -50,16 +50,20 @@ def variants(H=8, HV=8, K=256, V=256):
     yield "conv_commit", conv._conv_commit_kernel, dict(W=4, WP=4, BC=128), 4
 
 
-def compile_variant(kernel, consts, num_warps, arch=90):
-    """Compile one variant; returns (compiled kernel, ptxas -v summary dict)."""
+def _gdn_type(arg: str) -> str:
+    return "i32" if arg.startswith("s_") else SCALARS.get(arg, POINTERS.get(arg, "*fp32"))
+
+
+def compile_variant(kernel, consts, num_warps, arch=90, type_of=_gdn_type):
+    """Compile one variant for sm_`arch` (TTIR -> PTX -> ptxas); returns (compiled kernel,
+    ptxas -v summary dict). type_of(arg) gives each non-constexpr argument's Triton type."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
 
     names = kernel.arg_names
-    sig = {a: "constexpr" if a in consts else "i32" if a.startswith("s_") else SCALARS.get(a, POINTERS.get(a, "*fp32"))
-           for a in names}
+    sig = {a: "constexpr" if a in consts else type_of(a) for a in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if sig[a].startswith("*")}
     compiled = triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": num_warps})

@@ -217,33 +217,17 @@ def aot_variants():
 
 
 def aot_check(arch: int = 90) -> list[tuple[str, int, int]]:
-    """Compile every variant for sm_`arch` (TTIR -> PTX -> ptxas); (name, registers, spill bytes)."""
-    import os
-    import re
-    import subprocess
-    import tempfile
+    """Compile every variant for sm_`arch`; (name, registers, spill bytes)."""
+    from specla.ops.aot_check import compile_variant
 
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
-    from triton.compiler import ASTSource
+    def type_of(arg: str) -> str:
+        return ("i32" if arg in ("NQ", "B", "s_qb", "s_qp", "s_ql") else "*i64" if arg == "table" else
+                "*bf16" if arg == "q" else "*fp32")
 
-    kernel = _state_read_kernel
     out = []
     for name, consts, warps in aot_variants():
-        sig = {a: "constexpr" if a in consts else "i32" if a in ("NQ", "B", "s_qb", "s_qp", "s_ql") else
-               "*i64" if a == "table" else "*bf16" if a == "q" else "*fp32" for a in kernel.arg_names}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names) if sig[a].startswith("*")}
-        compiled = triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", arch, 32),
-                                  options={"num_warps": warps})
-        with tempfile.TemporaryDirectory() as d:
-            ptx = os.path.join(d, "k.ptx")
-            with open(ptx, "w") as f:
-                f.write(compiled.asm["ptx"])
-            log = subprocess.run([get_ptxas(arch).path, "-v", f"-arch=sm_{arch}a", ptx, "-o", os.path.join(d, "k.o")],
-                                 capture_output=True, text=True, check=True).stderr
-        regs = int(re.search(r"Used (\d+) registers", log).group(1))
-        spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
-        out.append((name, regs, spills))
+        _, info = compile_variant(_state_read_kernel, consts, warps, arch, type_of)
+        out.append((name, info["registers"], info["spill_bytes"]))
     return out
 
 
