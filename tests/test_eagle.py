@@ -390,3 +390,50 @@ def test_build_batch_equals_build(shape, vocab, seeds, budget, tau):
         assert int(valid[b]) == n
         pad = pad_drafts([(want_tok, want_par), ([0] * (M + 1), list(range(-1, M)))])
         assert out_tok[b].tolist() == pad.tokens[0].tolist() and out_par[b].tolist() == pad.parents[0].tolist()
+
+
+class _EmulatedGraph:
+    """A CUDA graph stand-in for CPU: `replay` re-runs the captured function and copies its
+    results into the outputs the capture returned. It also fails if the drafter's cache, length
+    or pending tensors were replaced since the capture: a real graph would still use the old
+    ones."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        owner = next(c.cell_contents for c in fn.__closure__ or () if isinstance(c.cell_contents, EagleDrafter))
+        self.owner, self.bound = owner, {n: getattr(owner, n) for n in ("k", "v", "len", "pending")}
+        for _ in range(2):  # the warm-up
+            fn()
+        self.out = fn()
+
+    def replay(self):
+        for n, t in self.bound.items():
+            assert getattr(self.owner, n) is t, f"a replay would use a stale {n!r}"
+        new = self.fn()
+        if self.out is not None:
+            for a, b in zip(self.out, new):
+                a.copy_(b)
+
+
+@pytest.mark.parametrize("route", ["chain", "tree"])
+def test_graphed_drafting_equals_eager(monkeypatch, route):
+    """The drafter's graphed rollout and extend (emulated on CPU) draft and track exactly what
+    the eager drafter does, across cache growth and generations reusing the drafter."""
+    monkeypatch.setattr(EagleDrafter, "_capture", staticmethod(_EmulatedGraph))
+    cfg = tiny_config(1)
+    model = random_model(cfg, 1)
+    dm = random_drafter(cfg, 1)
+    eager = EagleDrafter(dm, model, initial_capacity=16, **ROUTES[route])
+    graphed = EagleDrafter(dm, model, initial_capacity=16, **ROUTES[route])
+    graphed.graphs = True  # CUDA graphs in name; the emulation above runs them on CPU
+    for seed in (1, 2):  # the second generation reuses the drafter (cache emptied in place)
+        prompt = torch.tensor([make_prompt(cfg, seed, 10)])
+        ar = Decoder(model).run(prompt, 40)[0]
+        a = Decoder(model, eager, route).run(prompt, 40)
+        b = Decoder(model, graphed, route).run(prompt, 40)
+        assert a[0] == b[0] == ar
+        assert [r.accepted for r in a[1].rounds] == [r.accepted for r in b[1].rounds]
+        assert torch.equal(eager.len, graphed.len) and torch.equal(eager.pending, graphed.pending)
+        n = int(eager.len.max())
+        assert torch.equal(eager.k[:, :, :n], graphed.k[:, :, :n])
+    assert graphed.k.shape[2] > 16 and graphed._extend_graphs  # the cache grew; extend ran from a graph

@@ -296,13 +296,13 @@ class EagleDrafter(Drafter):
         self.pending = torch.zeros(batch, cfg.hidden_size, device=dev, dtype=dt)  # feature whose next token is unknown
         self.started = False  # host flag: `pending` holds a feature
         self._bound = 0  # host-side upper bound of max(self.len): growing needs no sync per round
-        self._graph = None
+        self._graph, self._extend_graphs = None, {}
 
     def _reserve(self, extra: int) -> None:
         self._bound, new = kv_room(self.k.shape[2], self._bound, extra, self.len)
         if new is not None:
             self.k, self.v = grown(self.k, new), grown(self.v, new)
-            self._graph = None  # a captured rollout holds the old buffers
+            self._graph, self._extend_graphs = None, {}  # captured graphs hold the old buffers
 
     def _store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         B, n, H, hd = k.shape
@@ -313,6 +313,18 @@ class EagleDrafter(Drafter):
     # Drafter API ------------------------------------------------------------------------------
     @torch.no_grad()
     def extend(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], length: torch.Tensor) -> None:
+        n = tokens.shape[1] - (0 if self.started else 1)
+        if n > 0:
+            self._reserve(n)  # host-side: may grow the cache (and drop the graphs over it)
+        if self.graphs and self.started and n > 0:
+            self._extend_replay(tokens, hidden, length)
+        else:
+            self._extend(tokens, hidden, length)
+        self._bound += max(n, 0)
+        self.started = True
+
+    def _extend(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], length: torch.Tensor) -> None:
+        """The device work of `extend` (the cache must have room: `_reserve`)."""
         m = self.model
         feats = m.features([hidden[i] for i in self.capture])  # [B, n, D]
         if not self.started:  # the first consumed token has no feature before it
@@ -323,15 +335,28 @@ class EagleDrafter(Drafter):
         if n > 0:
             # only K/V: nothing else of a history entry is ever read. Entries past count[b]
             # land past the new length, where later writes replace them.
-            self._reserve(n)
             slots = self.len[:, None] + torch.arange(n, device=tok.device)
             _, k, v = m.qkv(m.inputs(self.target.embeddings(tok), feat), slots)
             self._store(slots, k, v)
         self.len.add_(count)
-        self._bound += n
         last = feats[torch.arange(feats.shape[0], device=feats.device), (length - 1).clamp(min=0)]
         self.pending.copy_(torch.where((length > 0)[:, None], last, self.pending) if self.started else last)
-        self.started = True
+
+    def _extend_replay(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], length: torch.Tensor) -> None:
+        """`_extend` of a round (started, the accepted path's width fixed by the target's node
+        budget) from a CUDA graph over static copies of its inputs, one graph per width."""
+        key = tokens.shape[1]
+        if key not in self._extend_graphs:
+            static = (tokens.clone(), {i: hidden[i].clone() for i in self.capture}, torch.zeros_like(length))
+            # warm-up and capture with zero lengths: the only writes land past the committed
+            # length (cache slots the next extend or rollout overwrites); len and pending keep
+            self._extend_graphs[key] = (self._capture(lambda: self._extend(*static)), static)
+        graph, (st_tok, st_hid, st_len) = self._extend_graphs[key]
+        st_tok.copy_(tokens)
+        for i in self.capture:
+            st_hid[i].copy_(hidden[i])
+        st_len.copy_(length)
+        graph.replay()
 
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> Draft:
@@ -394,20 +419,26 @@ class EagleDrafter(Drafter):
         """`draft` from a CUDA graph over static buffers (root, len, pending, cache)."""
         if self._graph is None:
             self._root = root.clone()
-            # warm up on a side stream (fills caches such as the rotary table), then capture;
             # the rollout only writes cache slots past the committed length
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self.draft(self._root)
-            torch.cuda.current_stream().wait_stream(side)
-            self._graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self._graph):
-                self._pool = self.draft(self._root)
+            self._graph = self._capture(lambda: self.draft(self._root))
         self._root.copy_(root)
         self._graph.replay()
-        return self._pool
+        return self._graph.out
+
+    @staticmethod
+    def _capture(fn) -> "torch.cuda.CUDAGraph":
+        """fn warmed up twice on a side stream (fills lazy caches such as the rotary table), then
+        captured; the graph's `out` is what the capture returned, refreshed by every replay."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            graph.out = fn()
+        return graph
 
 
 def find_drafter(model_dir) -> Path | None:
