@@ -107,6 +107,9 @@ def test_e2e_shards_resume_and_summary(tmp_path):
     assert data["device"] == "cpu" and data["dtype"] == "float32" and (tmp_path / "e2e.png").stat().st_size > 0
     for suite in ("gsm8k", "humaneval"):
         assert data["suites"][suite]["ar"]["prompts"] == 3
+        for route in ("ar", "chain", "ngram"):  # the keys the drafter issue asks for, every row
+            assert {"speedup", "mean_accepted_length", "first_token_match", "exact_match_rate",
+                    "prompts"} <= set(data["suites"][suite][route])
         for route in ("chain", "ngram"):
             s = res["suites"][suite][route]
             assert s["prompts"] == 3 and s["exact_match_rate"] == 1.0 and s["mean_accepted_length"] >= 1
