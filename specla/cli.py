@@ -354,7 +354,7 @@ def train_target_cmd(
     device: str = typer.Option("auto"),
     init_from: Optional[Path] = typer.Option(None, help="Continue from an exported run when OUT has no ckpt.pt."),
 ):
-    """Pretrain a pure-GDN target (bf16 autocast, fla's chunk kernel on GPU; torchrun for several GPUs)."""
+    """Pretrain a pure-GDN target (bf16 autocast, the chunked GDN form in PyTorch; torchrun for several GPUs)."""
     from specla.api import DEMO_DIR
     from specla.config import ModelConfig
     from specla.train.target import train_target
