@@ -15,7 +15,7 @@ import copy
 
 import torch
 
-from specla import acceptance
+from specla import acceptance, graphs
 from specla.model import Model, ModelOutput
 from specla.state import Cache, GDNLayerState
 
@@ -115,19 +115,11 @@ class GraphTarget(EagerTarget):
         """Warm up and capture `fn` without changing the cache: its state is restored after."""
         with torch.cuda.device(self.model.device):  # streams and graph on the model's GPU
             saved = self._snapshot()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    fn()
-            torch.cuda.current_stream().wait_stream(side)
-            check = _capture_guard(self.model)
-            graph = torch.cuda.CUDAGraph()
-            with check, torch.cuda.graph(graph):
-                out = fn()
+            fused = getattr(self.model, "_fused", None)  # the fused path must not compile in a capture
+            graph = graphs.capture(fn, fused.capturing() if fused is not None else None)
             for t, backup in saved:
                 t.copy_(backup)
-        self.graphs[key] = (graph, out)
+        self.graphs[key] = (graph, graph.out)
         return self.graphs[key]
 
     def step(self, root):
@@ -174,16 +166,6 @@ class GraphTarget(EagerTarget):
         graph, _ = self.graphs.get(key) or self._capture(
             key, lambda: self.cache.commit(records, self.path, self.length, self.delayed))
         graph.replay()
-
-
-def _capture_guard(model):
-    """While a graph is captured: the fused path must not compile (`specla.fused`)."""
-    fused = getattr(model, "_fused", None)
-    if fused is None:
-        import contextlib
-
-        return contextlib.nullcontext()
-    return fused.capturing()
 
 
 class FlaTarget(EagerTarget):

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specla import topology
+from specla import graphs, topology
 from specla.api import DEMO_DIR
 from specla.checkpoint import load_model, save_model
 from specla.config import ModelConfig
@@ -398,7 +398,7 @@ class _EmulatedGraph:
     or pending tensors were replaced since the capture: a real graph would still use the old
     ones."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, guard=None):
         self.fn = fn
         owner = next(c.cell_contents for c in fn.__closure__ or () if isinstance(c.cell_contents, EagleDrafter))
         self.owner, self.bound = owner, {n: getattr(owner, n) for n in ("k", "v", "len", "pending")}
@@ -419,7 +419,7 @@ class _EmulatedGraph:
 def test_graphed_drafting_equals_eager(monkeypatch, route):
     """The drafter's graphed rollout and extend (emulated on CPU) draft and track exactly what
     the eager drafter does, across cache growth and generations reusing the drafter."""
-    monkeypatch.setattr(EagleDrafter, "_capture", staticmethod(_EmulatedGraph))
+    monkeypatch.setattr(graphs, "capture", _EmulatedGraph)
     cfg = tiny_config(1)
     model = random_model(cfg, 1)
     dm = random_drafter(cfg, 1)

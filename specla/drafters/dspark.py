@@ -40,6 +40,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from specla import graphs
 from specla.attention import apply_rotary, rotary_inv_freq
 from specla.config import ModelConfig
 from specla.drafters.base import Draft, DraftContext, Drafter, grown, kv_room
@@ -421,19 +422,12 @@ class DSparkDrafter(Drafter):
         key = self._graph_state(cache)
         if self._graph is None or key != self._graph_key:
             self._root = root.clone()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):  # warm-up: caches (rotary tables, reader address tables) fill here
-                    self.draft(self._root, cache)
-            torch.cuda.current_stream().wait_stream(side)
-            self._graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self._graph):
-                self._out = self.draft(self._root, cache)
+            # the warm-up fills the rotary tables and the reader's address tables
+            self._graph = graphs.capture(lambda: self.draft(self._root, cache))
             self._graph_key = key
         self._root.copy_(root)
         self._graph.replay()
-        return self._out
+        return self._graph.out
 
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> Draft:

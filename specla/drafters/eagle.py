@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from specla import topology
+from specla import graphs, topology
 from specla.attention import apply_rotary, rotary_inv_freq
 from specla.config import ModelConfig
 from specla.drafters import tree
@@ -350,7 +350,7 @@ class EagleDrafter(Drafter):
             static = (tokens.clone(), {i: hidden[i].clone() for i in self.capture}, torch.zeros_like(length))
             # warm-up and capture with zero lengths: the only writes land past the committed
             # length (cache slots the next extend or rollout overwrites); len and pending keep
-            self._extend_graphs[key] = (self._capture(lambda: self._extend(*static)), static)
+            self._extend_graphs[key] = (graphs.capture(lambda: self._extend(*static)), static)
         graph, (st_tok, st_hid, st_len) = self._extend_graphs[key]
         st_tok.copy_(tokens)
         for i in self.capture:
@@ -369,15 +369,13 @@ class EagleDrafter(Drafter):
         # selection and packing run on the device, inside the rollout's graph when there is one
         # (which runs every depth: a graph cannot stop early), so a round reads nothing back
         # before the verify
-        if self.graphs:
-            tokens, parents, valid = self._replay(root)
-        else:
-            tokens, parents, valid = self.draft(root, self.tau)
+        tokens, parents, valid = self._replay(root) if self.graphs else self.draft(root)
         return Draft(tokens, parents, valid=valid)
 
-    def draft(self, root: torch.Tensor, tau: float | None = None):
-        """Rollout, selection and packing: the verifier's (tokens, parents, valid)."""
-        pool = self.rollout(root, tau)
+    def draft(self, root: torch.Tensor, graphed: bool = False):
+        """Rollout, selection and packing: the verifier's (tokens, parents, valid). Eagerly the
+        rollout stops once no beam is inside the window τ; a graph cannot stop early."""
+        pool = self.rollout(root, None if graphed else self.tau)
         return tree.build_batch(root, *pool, self.budget, self.tau, max_depth=self.depth)
 
     @torch.no_grad()
@@ -420,25 +418,10 @@ class EagleDrafter(Drafter):
         if self._graph is None:
             self._root = root.clone()
             # the rollout only writes cache slots past the committed length
-            self._graph = self._capture(lambda: self.draft(self._root))
+            self._graph = graphs.capture(lambda: self.draft(self._root, graphed=True))
         self._root.copy_(root)
         self._graph.replay()
         return self._graph.out
-
-    @staticmethod
-    def _capture(fn) -> "torch.cuda.CUDAGraph":
-        """fn warmed up twice on a side stream (fills lazy caches such as the rotary table), then
-        captured; the graph's `out` is what the capture returned, refreshed by every replay."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            graph.out = fn()
-        return graph
 
 
 def find_drafter(model_dir) -> Path | None:

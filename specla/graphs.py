@@ -1,0 +1,23 @@
+"""CUDA-graph capture, shared by the target (`engine.GraphTarget`) and the drafters."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def capture(fn, guard=None) -> torch.cuda.CUDAGraph:
+    """fn warmed up twice on a side stream (lazy caches, cuBLAS workspaces, kernel compilation
+    happen there), then captured on the current device; `graph.out` is what the capture
+    returned, refreshed in place by every replay. guard: a context held around the capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with guard or contextlib.nullcontext(), torch.cuda.graph(graph):
+        graph.out = fn()
+    return graph
