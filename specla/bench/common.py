@@ -45,6 +45,15 @@ def write_results(name: str, data: dict, out_dir: Path | str = RESULTS) -> Path:
     return path
 
 
+def bootstrap(stat, n: int, reps: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% interval of stat(indices) over `reps` resamples of range(n) with replacement."""
+    import random
+
+    rng = random.Random(seed)
+    draws = sorted(stat([rng.randrange(n) for _ in range(n)]) for _ in range(reps))
+    return draws[int(0.025 * reps)], draws[int(0.975 * reps) - 1]
+
+
 def copy_bandwidth(nbytes: int = 2 ** 30) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
     import triton.testing

@@ -150,7 +150,7 @@ def _profile_shape(model, prompt, parents, steps: int = 5) -> dict:
             ar.prefill(torch.tensor([prompt[:-1]], device=dev))
             root = torch.tensor([prompt[-1]], device=dev)
             res["ar_step"] = _profile_fn(lambda: ar.step(root), steps, dev)
-            del ar
+            ar = None  # free its cache before the next target
             model._fused = fused  # as built: a target fuses an unfused model under SPECLA_COMPILE
             tgt = EagerTarget(model, 1, len(prompt) + 4 * (steps + 1) * n + 64)
             model._fused = fz
@@ -165,7 +165,7 @@ def _profile_shape(model, prompt, parents, steps: int = 5) -> dict:
                 tgt.commit(o.records, acc.path, length, True)
 
             res["round16_delayed"] = _profile_fn(round_, steps, dev)
-            del tgt
+            tgt = None
         except Exception as e:  # noqa: BLE001 - a profile is optional; the timings stand
             res["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         finally:

@@ -18,13 +18,12 @@ the summary reads every shard's log.
 from __future__ import annotations
 
 import json
-import random
 import time
 from pathlib import Path
 
 import torch
 
-from specla.bench.common import RESULTS, write_results
+from specla.bench.common import RESULTS, bootstrap, write_results
 
 ROUTES = ("ar", "fla", "chain", "tree", "ngram")
 SUITES = ("mixed", "gsm8k", "humaneval")
@@ -42,14 +41,7 @@ def _route_kwargs(route: str) -> dict:
 
 def bootstrap_ratio(num: list[float], den: list[float], reps: int = 2000, seed: int = 0) -> tuple[float, float]:
     """95% interval of Σnum / Σden, resampling prompts with replacement."""
-    rng = random.Random(seed)
-    n = len(num)
-    stats = []
-    for _ in range(reps):
-        idx = [rng.randrange(n) for _ in range(n)]
-        stats.append(sum(num[i] for i in idx) / max(sum(den[i] for i in idx), 1e-12))
-    stats.sort()
-    return stats[int(0.025 * reps)], stats[int(0.975 * reps) - 1]
+    return bootstrap(lambda idx: sum(num[i] for i in idx) / max(sum(den[i] for i in idx), 1e-12), len(num), reps, seed)
 
 
 def bootstrap_mean(xs: list[float], reps: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -189,7 +181,8 @@ def run(model_dir=None, suites=SUITES, routes=ROUTES, limit: int | None = None, 
             if w[2].id not in records.get(w[1], {}).get(w[3], {})]
     # compile and autotune kernels, size every buffer and capture graphs outside the timings,
     # on the longest prompt (a longer one later would build a new target)
-    longest = max((w[2] for w in todo), key=lambda p: len(lm.encode_prompt(p.turns[0])), default=None)
+    unique = {(suite, p.id): p for _, suite, p, _ in todo}.values()  # each prompt once, not once per route
+    longest = max(unique, key=lambda p: len(lm.encode_prompt(p.turns[0])), default=None)
     for route in routes:
         lm.generate(longest.turns[0] if longest else "warm up", max_new_tokens=max_new_tokens,
                     **_route_kwargs(route))

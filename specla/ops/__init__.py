@@ -11,10 +11,9 @@ GDN verification (docs/kernels.md):
 - any other branching topology: the chain-decomposed hybrid verifier.
 Both decisions are made once per parent array (cached on the tensor, shared by all layers of a
 round): free for CPU tensors and n = 1, one host sync on CUDA, and none inside a CUDA-graph
-capture, where the hybrid runs with schedule="auto" (the same cost model, applied on the device:
-a row it sends to serial runs as one serial pass inside the hybrid launch; on a chain it is a
-single chain, i.e. the serial loop plus a ticket; it is correct for every topology of that
-size on replay).
+capture, where the hybrid runs (on a chain it is a single chain, i.e. the serial loop plus a
+ticket; it is correct for every topology of that size on replay). Its schedule="auto" variant,
+which applies the cost model on the device, is for benchmarks: slower in graph replay.
 The kernel modules are imported on first use so that importing specla never compiles or
 configures Triton.
 """
