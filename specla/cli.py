@@ -113,6 +113,24 @@ def bench_e2e(
         shard=(k, n), summary_only=summary_only)
 
 
+@bench_app.command("rounds")
+def bench_rounds(
+    model: Optional[Path] = typer.Option(None, help="Checkpoint directory with drafter/ (default: the demo pair)."),
+    routes: str = typer.Option("ar,chain,tree,ngram"),
+    suite: str = typer.Option("mixed"),
+    n_prompts: int = typer.Option(8),
+    max_new_tokens: int = typer.Option(128),
+    device: str = typer.Option("auto"),
+    dtype: str = typer.Option("auto"),
+    profile: bool = typer.Option(True, help="Also profile one generation per route (kernels per round)."),
+    out: Path = typer.Option(Path("benchmarks/results")),
+):
+    """Where a round's time goes (GPU): drafter propose/extend, target verify/commit, the loop's own work."""
+    from specla.bench.rounds import run
+
+    run(model, tuple(routes.split(",")), suite, n_prompts, max_new_tokens, device, dtype, out, profile)
+
+
 @bench_app.command("decode")
 def bench_decode(
     shapes: str = typer.Option("gdn-1.3b-paper,gdn-1.3b-paper-hybrid", help="Comma-separated named shapes."),
