@@ -15,7 +15,7 @@ import copy
 
 import torch
 
-from specla import acceptance, graphs
+from specla import acceptance, fused, graphs
 from specla.model import Model, ModelOutput
 from specla.state import Cache, GDNLayerState
 
@@ -78,6 +78,9 @@ class GraphTarget(EagerTarget):
         self.length = torch.zeros(batch, dtype=torch.long, device=dev)
         self.graphs: dict = {}
         self.records, self.verify_key = None, None
+        # greedy acceptance walks the nodes one by one (~8 small ops per node); compiled under
+        # SPECLA_COMPILE it is a couple of kernels in the verify graph
+        self._accept, _ = fused.compile_for_graph(acceptance.greedy)
         if self.delayed:  # pending buffers exist from the start so the verify graph reads them
             self._make_pending()
 
@@ -145,7 +148,7 @@ class GraphTarget(EagerTarget):
 
         def run():
             out = self.model.verify(self.tokens, self.parents, self.cache, capture)
-            return out, acceptance.greedy(self.tokens, self.parents, out.logits, self.valid)
+            return out, self._accept(self.tokens, self.parents, out.logits, self.valid)
 
         graph, (out, acc) = self.graphs.get(key) or self._capture(key, run)
         graph.replay()

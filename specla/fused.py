@@ -125,6 +125,28 @@ def _refuse_compiles():
         return contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def refusing_compiles():
+    """Entered lazily (`_refuse_compiles()` sets the stance as soon as it is called)."""
+    with _refuse_compiles():
+        yield
+
+
+def compile_for_graph(fn, mode: str | None = None):
+    """(compiled fn, capture guard factory) for a function a drafter captures in a CUDA graph, when
+    `SPECLA_COMPILE` (or `mode`) asks for the fused path; (fn, None) otherwise.
+
+    A drafter's step is a handful of small matmuls among dozens of elementwise ops, norms,
+    masks and gathers; compiled whole (static shapes, `fullgraph`), one graph replay launches
+    a few fused kernels per step instead of ~175. The warm-up before a capture compiles;
+    the guard makes a compile inside the capture raise instead."""
+    mode = mode or env_mode()
+    if mode is None:
+        return fn, contextlib.nullcontext
+    _raise_recompile_limit()
+    return torch.compile(fn, dynamic=False, fullgraph=True, options=_options(mode)), refusing_compiles
+
+
 # ---- pure functions of a layer's tensors (compiled) ------------------------------------------
 
 def _rms(x, w, eps: float, zc: bool):

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specla import graphs, topology
+from specla import fused, graphs, topology
 from specla.api import DEMO_DIR
 from specla.checkpoint import load_model, save_model
 from specla.config import ModelConfig
@@ -437,3 +437,30 @@ def test_graphed_drafting_equals_eager(monkeypatch, route):
         n = int(eager.len.max())
         assert torch.equal(eager.k[:, :, :n], graphed.k[:, :, :n])
     assert graphed.k.shape[2] > 16 and graphed._extend_graphs  # the cache grew; extend ran from a graph
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("cc") is None,
+                    reason="torch.compile on CPU needs a C++ compiler (none found)")
+def test_compiled_graphed_drafting_equals_eager(monkeypatch):
+    """Under SPECLA_COMPILE the graphed rollout and extend run compiled (specla.fused): the
+    drafts equal the eager drafter's (fp64: compiled rounding differs by ~1 ulp, far from any
+    beam decision), the outputs equal AR's, and a capture compiles nothing."""
+    monkeypatch.setattr(graphs, "capture", _EmulatedGraph)
+    monkeypatch.setenv("SPECLA_COMPILE", "1")
+    cfg = tiny_config(1)
+    model = random_model(cfg, 1)
+    dm = random_drafter(cfg, 1)
+    graphed = EagleDrafter(dm, model, initial_capacity=16, **ROUTES["tree"])
+    monkeypatch.delenv("SPECLA_COMPILE")
+    eager = EagleDrafter(dm, model, initial_capacity=16, **ROUTES["tree"])
+    graphed.graphs = True
+    prompt = torch.tensor([make_prompt(cfg, 3, 10)])
+    ar = Decoder(model).run(prompt, 24)[0]
+    a = Decoder(model, eager, "tree").run(prompt, 24)
+    before = fused._compile_count()
+    b = Decoder(model, graphed, "tree").run(prompt, 24)
+    assert fused._compile_count() >= before + 2  # the rollout and extend compiled
+    assert a[0] == b[0] == ar
+    assert [r.accepted for r in a[1].rounds] == [r.accepted for r in b[1].rounds]
+    n = int(eager.len.max())
+    torch.testing.assert_close(eager.k[:, :, :n], graphed.k[:, :, :n], rtol=1e-9, atol=1e-9)

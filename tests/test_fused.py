@@ -271,3 +271,28 @@ def test_no_compile_during_capture():
     f(torch.ones(3))  # compiles outside
     with FusedModel.capturing(SimpleNamespace(compile=True)):
         assert torch.equal(f(torch.ones(3)), torch.full((3,), 3.0))  # a cache hit is fine
+
+
+@needs_cxx
+def test_compiled_greedy_acceptance_equals_eager(monkeypatch):
+    """`GraphTarget` compiles greedy acceptance under SPECLA_COMPILE: same path, length and
+    bonus as the eager walk on random trees with planted matches, padding and ties."""
+    from specla import acceptance, fused
+
+    monkeypatch.setenv("SPECLA_COMPILE", "1")
+    accept, _ = fused.compile_for_graph(acceptance.greedy)
+    g = torch.Generator().manual_seed(0)
+    B, n, V = 3, 9, 16
+    for _ in range(6):
+        parents = torch.tensor([[-1] + [int(torch.randint(0, j, (1,), generator=g)) for j in range(1, n)]
+                                for _ in range(B)])
+        logits = torch.randint(0, 3, (B, n, V), generator=g).float()  # many ties: argmax picks the lowest id
+        target = logits.argmax(-1)
+        tokens = torch.randint(0, V, (B, n), generator=g)
+        plant = torch.rand(B, n, generator=g) < 0.6  # most nodes carry their parent's argmax
+        tokens = torch.where(plant, target.gather(1, parents.clamp(min=0)), tokens)
+        valid = torch.randint(1, n + 1, (B,), generator=g)
+        want, got = acceptance.greedy(tokens, parents, logits, valid), accept(tokens, parents, logits, valid)
+        assert torch.equal(want.path, got.path) and torch.equal(want.length, got.length)
+        assert torch.equal(want.bonus, got.bonus)
+    assert int(want.length.max()) > 2  # the planted matches made real paths

@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from specla import graphs, topology
+from specla import fused, graphs, topology
 from specla.attention import apply_rotary, rotary_inv_freq
 from specla.config import ModelConfig
 from specla.drafters import tree
@@ -145,11 +145,14 @@ class EagleDrafterModel(nn.Module):
         """x [B, n, D] at positions pos [B, n] -> q, k (rotated), v, each [B, n, H, hd]."""
         B, n, _ = x.shape
         q, k, v = self.qkv_proj(self.attn_norm(x)).reshape(B, n, 3, self.cfg.num_heads, self.cfg.head_dim).unbind(2)
-        key = (x.device, x.dtype)
-        if key not in self._inv_freq:
-            self._inv_freq[key] = rotary_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, x.dtype).to(x.device)
-        f = self._inv_freq[key]
+        f = self.inv_freq(x.device, x.dtype)
         return apply_rotary(q, pos, f), apply_rotary(k, pos, f), v
+
+    def inv_freq(self, device, dtype) -> torch.Tensor:
+        key = (device, dtype)
+        if key not in self._inv_freq:
+            self._inv_freq[key] = rotary_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, dtype).to(device)
+        return self._inv_freq[key]
 
     def attend(self, q, keys, values, mask) -> torch.Tensor:
         """q [B, n, H, hd] against keys, values [B, H, L, hd] under mask [B, n, L] -> [B, n, H * hd]."""
@@ -272,6 +275,7 @@ class EagleDrafter(Drafter):
         self.entries = 1 + (depth - 1) * topk  # drafter queries per rollout: the root, then k per depth
         self.capture = tuple(model.cfg.feature_layers)
         self.initial_capacity = initial_capacity
+        model.inv_freq(target.device, target.dtype)  # made here: a compiled rollout only reads it
         self.reset(1)
 
     @classmethod
@@ -297,6 +301,10 @@ class EagleDrafter(Drafter):
         self.started = False  # host flag: `pending` holds a feature
         self._bound = 0  # host-side upper bound of max(self.len): growing needs no sync per round
         self._graph, self._extend_graphs = None, {}
+        # the graphed rollout and extend, compiled under SPECLA_COMPILE (specla.fused); kept
+        # across generations and cache growth, which recompiles for the new capacity only
+        self._draft_fn, self._guard = fused.compile_for_graph(lambda root: self.draft(root, graphed=True))
+        self._extend_fn, _ = fused.compile_for_graph(self._extend)
 
     def _reserve(self, extra: int) -> None:
         self._bound, new = kv_room(self.k.shape[2], self._bound, extra, self.len)
@@ -350,7 +358,7 @@ class EagleDrafter(Drafter):
             static = (tokens.clone(), {i: hidden[i].clone() for i in self.capture}, torch.zeros_like(length))
             # warm-up and capture with zero lengths: the only writes land past the committed
             # length (cache slots the next extend or rollout overwrites); len and pending keep
-            self._extend_graphs[key] = (graphs.capture(lambda: self._extend(*static)), static)
+            self._extend_graphs[key] = (graphs.capture(lambda: self._extend_fn(*static), self._guard()), static)
         graph, (st_tok, st_hid, st_len) = self._extend_graphs[key]
         st_tok.copy_(tokens)
         for i in self.capture:
@@ -418,7 +426,7 @@ class EagleDrafter(Drafter):
         if self._graph is None:
             self._root = root.clone()
             # the rollout only writes cache slots past the committed length
-            self._graph = graphs.capture(lambda: self.draft(self._root, graphed=True))
+            self._graph = graphs.capture(lambda: self._draft_fn(self._root), self._guard())
         self._root.copy_(root)
         self._graph.replay()
         return self._graph.out
