@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from specla.bench.common import RESULTS, bootstrap, write_results
+from specla.bench.common import RESULTS, bootstrap, environment, write_results
 
 ROUTES = ("ar", "fla", "chain", "tree", "ngram")
 SUITES = ("mixed", "gsm8k", "humaneval")
@@ -67,6 +67,7 @@ def _summarise(records: dict, route: str) -> dict:
         "first_token_match_ci95": bootstrap_mean(ftm) if ftm else None,
         "exact_match_rate": sum(exact) / len(exact),
         "tokens_per_second": sum(len(rt[i]["tokens"]) for i in ids) / sum(lat),
+        "commits": sorted({rt[i].get("commit") or "unknown" for i in ids}),
     }
     # where outputs that differ from AR's first differ: [prompt id, token index]
     out["first_divergence"] = [
@@ -139,8 +140,11 @@ def summarise(out_dir, name: str, suites, routes, max_new_tokens: int, complete:
     """Summary over every record found (all shards); writes <name>.json and <name>.png."""
     out_dir = Path(out_dir)
     records = _load_records(out_dir, name)
-    devices = sorted({r.get("device") for s in records.values() for rt in s.values() for r in rt.values()} - {None})
-    dtypes = sorted({r.get("dtype") for s in records.values() for rt in s.values() for r in rt.values()} - {None})
+    def found(key):  # every value of `key` across the records (JSON-encoded, so dicts compare)
+        return [json.loads(v) for v in sorted({json.dumps(r.get(key), sort_keys=True) for s in records.values()
+                                               for rt in s.values() for r in rt.values()} - {"null"})]
+
+    devices, dtypes = found("device"), found("dtype")
     result = {"max_new_tokens": max_new_tokens, "complete": complete, **(extra or {}),
               "route_options": {r: _route_kwargs(r) for r in routes},
               "suites": {s: {r: _summarise(records.get(s, {}), r) for r in routes if r != "ar"} for s in suites}}
@@ -148,6 +152,11 @@ def summarise(out_dir, name: str, suites, routes, max_new_tokens: int, complete:
         result["device"] = devices[0] if len(devices) == 1 else devices
     if dtypes:
         result["dtype"] = dtypes[0] if len(dtypes) == 1 else dtypes
+    # where and with what the records were measured, not where this summary was written
+    for key in ("versions", "commit"):
+        vals = found(key)
+        if vals:
+            result[key] = vals[0] if len(vals) == 1 else vals
     for s in suites:  # the reference row: one token per target call, its own output
         result["suites"][s]["ar"] = {"prompts": len(records.get(s, {}).get("ar", {})), "speedup": 1.0,
                                      "mean_accepted_length": 1.0, "first_token_match": None,
@@ -188,6 +197,7 @@ def run(model_dir=None, suites=SUITES, routes=ROUTES, limit: int | None = None, 
                     **_route_kwargs(route))
     stopped = False
     device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    env = environment()
     with open(log_path, "a") as log:
         for _, suite, p, route in tqdm(todo, desc=f"e2e shard {k}/{n}", unit="generation"):
             if max_minutes is not None and time.time() - start > max_minutes * 60:
@@ -203,7 +213,8 @@ def run(model_dir=None, suites=SUITES, routes=ROUTES, limit: int | None = None, 
                    "decode_seconds": g.decode_seconds, "tokens": g.tokens, "rounds": g.rounds,
                    "mean_accepted_length": g.mean_accepted_length,
                    "first_token_match": g.to_dict()["first_token_match"],
-                   "device": device_name, "dtype": str(lm.model.dtype).replace("torch.", "")}
+                   "device": device_name, "dtype": str(lm.model.dtype).replace("torch.", ""),
+                   "commit": env["commit"], "versions": env["versions"]}
             log.write(json.dumps(rec) + "\n")
             log.flush()
     return summarise(out_dir, name, suites, routes, max_new_tokens, complete=not stopped and n == 1,
