@@ -5,6 +5,9 @@
 # with its own CUDA_VISIBLE_DEVICES. Each step is bounded by its own timeout so one failure
 # does not eat the call. At most 8 files come back: each lane packs its logs and results in
 # results-$LANE.tgz after every step; trained drafters come back as one .tgz each.
+# In a step's ARG list commas separate arguments; write a comma inside one argument as %
+# (`bench:e2e:300:--routes,ar%chain%tree`). Start lanes in the background and `wait` for them
+# rather than sleeping a fixed time: a lane that fails early then ends the call early.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 SPECLA_COMMIT=${SPECLA_COMMIT:-unknown}
 LANE=${LANE:-a}
@@ -120,13 +123,13 @@ run_step() {
     train:*) IFS=: read -r _ mins total <<<"$step"; train "$mins" "$total" ;;
     responses:*) IFS=: read -r _ mins n <<<"$step"; responses "$mins" "$n" ;;
     drafter:*) drafter "${step#drafter:}" ;;
-    block:*) IFS=: read -r _ name mins args <<<"$step"; block "$name" "$mins" ${args//,/ }  # block:NAME:MIN:ARG,...
+    block:*) IFS=: read -r _ name mins args <<<"$step"; args=${args//,/ }; block "$name" "$mins" ${args//%/,}  # block:NAME:MIN:ARG,...
       pack "$name" "$BD/$name" ;;
     blocks:*) IFS=: read -r _ a b <<<"$step"; blocks "$a" "$b" ;;
     ablate:*) IFS=: read -r _ mins steps <<<"$step"; ablate "$mins" "$steps" ;;
     bench-ablations:*) IFS=: read -r _ secs n <<<"$step"; bench_ablations "$secs" "$n" ;;
     bench:*) IFS=: read -r _ name secs args <<<"$step"  # bench:NAME[:SECONDS[:ARG,ARG,...]]
-      BENCH_TIMEOUT=${secs:-${BENCH_TIMEOUT:-420}} bench "$name" ${args//,/ } ;;
+      args=${args//,/ }; BENCH_TIMEOUT=${secs:-${BENCH_TIMEOUT:-420}} bench "$name" ${args//%/,} ;;
     *) echo "unknown step $step" ;;
   esac
 }
