@@ -102,7 +102,11 @@ class SpecLA:
         self._targets: dict = {}
 
     @classmethod
-    def load(cls, model_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto") -> "SpecLA":
+    def load(cls, model_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto",
+             compile: str | None = None) -> "SpecLA":
+        """compile: None (plain path unless SPECLA_COMPILE is set), "default" or "max-autotune":
+        the fused decode path (`specla.fused`), and the drafter's graphs compiled with it. The
+        first generation then compiles (a minute or two on a GPU; cached on disk after)."""
         from specla.data.tokenizer import load_tokenizer
 
         model_dir = Path(model_dir) if model_dir is not None else DEMO_DIR
@@ -110,6 +114,12 @@ class SpecLA:
             raise CheckpointError("no --model given and the demo model is not installed with this package")
         dev = resolve_device(device)
         model = load_model(model_dir, device=dev, dtype=resolve_dtype(dtype, dev))
+        if compile is not None:
+            from specla.fused import MODES
+
+            if compile not in MODES:
+                raise InputError(f"unknown compile mode {compile!r}; choose one of {', '.join(MODES)}")
+            model.fuse(mode=compile)
         try:
             tokenizer = load_tokenizer(model_dir)
         except FileNotFoundError as e:
@@ -240,5 +250,6 @@ class SpecLA:
         return self.model.verify(t, par.to(self.model.device), cache).logits[0]
 
 
-def load(model_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto") -> SpecLA:
-    return SpecLA.load(model_dir, device, dtype)
+def load(model_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto",
+         compile: str | None = None) -> SpecLA:
+    return SpecLA.load(model_dir, device, dtype, compile)

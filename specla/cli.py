@@ -44,6 +44,9 @@ def generate(
                                           "instead of folding the update into the next verify."),
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+    compile: Optional[str] = typer.Option(None, "--compile", help="default | max-autotune: the fused decode path "
+                                          "(torch.compile; what the GPU benchmarks measure). The first generation "
+                                          "compiles. SPECLA_COMPILE=1 does the same."),
 ):
     """Generate text; streams it, then prints tokens/s and the mean accepted length."""
     import specla.api as api
@@ -52,7 +55,7 @@ def generate(
         raise SpeclaError(f"--max-new-tokens must be positive, got {max_new_tokens}")
     if route not in api.ROUTES:
         raise SpeclaError(f"unknown route {route!r}; choose one of {', '.join(api.ROUTES)}")
-    lm = api.load(model, device=device, dtype=dtype)
+    lm = api.load(model, device=device, dtype=dtype, compile=compile)
     kwargs = dict(route=route, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                   chat=False if raw else None, chain_length=chain_length, tree_topk=tree_topk,
                   tree_budget=tree_budget, tree_depth=tree_depth, tree_tau=tree_tau, drafter=drafter,
@@ -95,6 +98,8 @@ def bench_e2e(
     shard: str = typer.Option("0/1", help="K/N: this process takes prompt indices i with i % N == K "
                               "(one process per GPU); the summary reads every shard's records."),
     summary_only: bool = typer.Option(False, "--summary-only", help="Only summarise the records found."),
+    compile: Optional[str] = typer.Option(None, "--compile", help="default | max-autotune: the fused decode path "
+                                          "(SPECLA_COMPILE=1 does the same)."),
     out: Path = typer.Option(Path("benchmarks/results")),
 ):
     """End-to-end speedup, accepted length, first-token match and exact match on real prompts (Fig 9)."""
@@ -110,7 +115,7 @@ def bench_e2e(
         raise InputError(f"--shard {shard!r}: expected K/N with 0 <= K < N") from None
     run(model, tuple(suites.split(",")), tuple(routes.split(",")), limit=limit, fla_limit=fla_limit,
         max_new_tokens=max_new_tokens, device=device, dtype=dtype, out_dir=out, name=name, max_minutes=max_minutes,
-        shard=(k, n), summary_only=summary_only)
+        shard=(k, n), summary_only=summary_only, compile=compile)
 
 
 @bench_app.command("rounds")
@@ -123,12 +128,14 @@ def bench_rounds(
     device: str = typer.Option("auto"),
     dtype: str = typer.Option("auto"),
     profile: bool = typer.Option(True, help="Also profile one generation per route (kernels per round)."),
+    compile: Optional[str] = typer.Option(None, "--compile", help="default | max-autotune: the fused decode path "
+                                          "(SPECLA_COMPILE=1 does the same)."),
     out: Path = typer.Option(Path("benchmarks/results")),
 ):
     """Where a round's time goes (GPU): drafter propose/extend, target verify/commit, the loop's own work."""
     from specla.bench.rounds import run
 
-    run(model, tuple(routes.split(",")), suite, n_prompts, max_new_tokens, device, dtype, out, profile)
+    run(model, tuple(routes.split(",")), suite, n_prompts, max_new_tokens, device, dtype, out, profile, compile)
 
 
 @bench_app.command("decode")

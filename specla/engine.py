@@ -78,9 +78,9 @@ class GraphTarget(EagerTarget):
         self.length = torch.zeros(batch, dtype=torch.long, device=dev)
         self.graphs: dict = {}
         self.records, self.verify_key = None, None
-        # greedy acceptance walks the nodes one by one (~8 small ops per node); compiled under
-        # SPECLA_COMPILE it is a couple of kernels in the verify graph
-        self._accept, _ = fused.compile_for_graph(acceptance.greedy)
+        # greedy acceptance walks the nodes one by one (~8 small ops per node); beside a fused
+        # model it is compiled too: a couple of kernels in the verify graph
+        self._accept, _ = fused.compile_for_graph(acceptance.greedy, fused.mode_of(model))
         if self.delayed:  # pending buffers exist from the start so the verify graph reads them
             self._make_pending()
 

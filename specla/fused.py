@@ -132,15 +132,20 @@ def refusing_compiles():
         yield
 
 
-def compile_for_graph(fn, mode: str | None = None):
-    """(compiled fn, capture guard factory) for a function a drafter captures in a CUDA graph, when
-    `SPECLA_COMPILE` (or `mode`) asks for the fused path; (fn, None) otherwise.
+def mode_of(model) -> str | None:
+    """The compile mode of a fused model (`Model.fuse`, `SPECLA_COMPILE`); None when plain."""
+    fz = getattr(model, "_fused", None)
+    return fz.mode if fz is not None and fz.compile else None
+
+
+def compile_for_graph(fn, mode: str | None):
+    """(compiled fn, capture guard factory) for a function captured in a CUDA graph beside a
+    fused target (`mode`: its compile mode, `mode_of`); (fn, a no-op guard) when mode is None.
 
     A drafter's step is a handful of small matmuls among dozens of elementwise ops, norms,
     masks and gathers; compiled whole (static shapes, `fullgraph`), one graph replay launches
     a few fused kernels per step instead of ~175. The warm-up before a capture compiles;
     the guard makes a compile inside the capture raise instead."""
-    mode = mode or env_mode()
     if mode is None:
         return fn, contextlib.nullcontext
     _raise_recompile_limit()

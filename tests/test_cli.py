@@ -71,6 +71,7 @@ BAD = [
     (["--prompt", "hi", "-n", "-3"], "--max-new-tokens must be positive"),
     (["--prompt", "hi", "--route", "beam"], "unknown route"),
     (["--prompt", "hi", "--dtype", "int8"], "unknown dtype"),
+    (["--prompt", "hi", "--compile", "fast"], "unknown compile mode"),
 ]
 
 

@@ -1,6 +1,7 @@
 """EAGLE drafter and pruned draft trees: exactness (float64), tree construction properties,
 train/draft consistency, checkpoints, response data and resumable training (CPU, tiny shapes)."""
 
+import contextlib
 import itertools
 import json
 import lzma
@@ -442,16 +443,14 @@ def test_graphed_drafting_equals_eager(monkeypatch, route):
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("cc") is None,
                     reason="torch.compile on CPU needs a C++ compiler (none found)")
 def test_compiled_graphed_drafting_equals_eager(monkeypatch):
-    """Under SPECLA_COMPILE the graphed rollout and extend run compiled (specla.fused): the
-    drafts equal the eager drafter's (fp64: compiled rounding differs by ~1 ulp, far from any
-    beam decision), the outputs equal AR's, and a capture compiles nothing."""
+    """With a compile mode (its own, or a fused target's) the graphed rollout and extend run
+    compiled (specla.fused): the drafts equal the eager drafter's (fp64: compiled rounding
+    differs by ~1 ulp, far from any beam decision) and the outputs equal AR's."""
     monkeypatch.setattr(graphs, "capture", _EmulatedGraph)
-    monkeypatch.setenv("SPECLA_COMPILE", "1")
     cfg = tiny_config(1)
     model = random_model(cfg, 1)
     dm = random_drafter(cfg, 1)
-    graphed = EagleDrafter(dm, model, initial_capacity=16, **ROUTES["tree"])
-    monkeypatch.delenv("SPECLA_COMPILE")
+    graphed = EagleDrafter(dm, model, initial_capacity=16, compile="default", **ROUTES["tree"])
     eager = EagleDrafter(dm, model, initial_capacity=16, **ROUTES["tree"])
     graphed.graphs = True
     prompt = torch.tensor([make_prompt(cfg, 3, 10)])
@@ -464,3 +463,17 @@ def test_compiled_graphed_drafting_equals_eager(monkeypatch):
     assert [r.accepted for r in a[1].rounds] == [r.accepted for r in b[1].rounds]
     n = int(eager.len.max())
     torch.testing.assert_close(eager.k[:, :, :n], graphed.k[:, :, :n], rtol=1e-9, atol=1e-9)
+
+
+def test_drafter_graphs_follow_the_target_fusion():
+    """No compile mode of its own: the drafter's graphs compile exactly when the target is
+    fused (`Model.fuse`, or SPECLA_COMPILE when a target is built)."""
+    cfg = tiny_config(1)
+    model = random_model(cfg, 1)
+    d = EagleDrafter(random_drafter(cfg, 1), model)
+    assert fused.mode_of(model) is None and d._graph_fns()[2] is contextlib.nullcontext
+    model.fuse()  # builds the regions; nothing compiles until a call
+    try:
+        assert fused.mode_of(model) == "default" and d._graph_fns()[2] is fused.refusing_compiles
+    finally:
+        model.fuse(False)

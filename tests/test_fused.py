@@ -274,13 +274,12 @@ def test_no_compile_during_capture():
 
 
 @needs_cxx
-def test_compiled_greedy_acceptance_equals_eager(monkeypatch):
-    """`GraphTarget` compiles greedy acceptance under SPECLA_COMPILE: same path, length and
+def test_compiled_greedy_acceptance_equals_eager():
+    """`GraphTarget` compiles greedy acceptance beside a fused model: same path, length and
     bonus as the eager walk on random trees with planted matches, padding and ties."""
     from specla import acceptance, fused
 
-    monkeypatch.setenv("SPECLA_COMPILE", "1")
-    accept, _ = fused.compile_for_graph(acceptance.greedy)
+    accept, _ = fused.compile_for_graph(acceptance.greedy, "default")
     g = torch.Generator().manual_seed(0)
     B, n, V = 3, 9, 16
     for _ in range(6):

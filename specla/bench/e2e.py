@@ -169,7 +169,7 @@ def summarise(out_dir, name: str, suites, routes, max_new_tokens: int, complete:
 def run(model_dir=None, suites=SUITES, routes=ROUTES, limit: int | None = None, fla_limit: int = 160,
         max_new_tokens: int = 128, device: str = "auto", dtype: str = "auto", out_dir=RESULTS,
         name: str = "e2e", max_minutes: float | None = None, shard: tuple[int, int] = (0, 1),
-        summary_only: bool = False) -> dict:
+        summary_only: bool = False, compile: str | None = None) -> dict:
     """Generate what is not yet recorded (this shard's prompts), then summarise every record.
     summary_only: no generation (e.g. after shards ran on several GPUs or calls)."""
     from tqdm import tqdm
@@ -181,7 +181,7 @@ def run(model_dir=None, suites=SUITES, routes=ROUTES, limit: int | None = None, 
     if summary_only:
         return summarise(out_dir, name, suites, routes, max_new_tokens, complete=False)
     start = time.time()
-    lm = api.load(model_dir, device=device, dtype=dtype)
+    lm = api.load(model_dir, device=device, dtype=dtype, compile=compile)
     dev = lm.model.device
     k, n = shard
     log_path = out_dir / (f"{name}.records.jsonl" if n == 1 else f"{name}.records.{k}of{n}.jsonl")

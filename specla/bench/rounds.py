@@ -63,12 +63,12 @@ class _Timer:
 
 def run(model_dir=None, routes=("ar", "chain", "tree", "ngram"), suite: str = "mixed", n_prompts: int = 8,
         max_new_tokens: int = 128, device: str = "auto", dtype: str = "auto", out_dir=RESULTS,
-        profile: bool = True) -> dict:
+        profile: bool = True, compile: str | None = None) -> dict:
     import specla.api as api
     from specla.bench.decode import _profile_fn
     from specla.data.suites import load_suite
 
-    lm = api.load(model_dir, device=device, dtype=dtype)
+    lm = api.load(model_dir, device=device, dtype=dtype, compile=compile)
     if lm.model.device.type != "cuda":
         raise SystemExit("bench rounds times CUDA work: run it on a GPU")
     prompts = [p.turns[0] for p in load_suite(suite, limit=n_prompts)]

@@ -259,7 +259,7 @@ class EagleDrafter(Drafter):
 
     def __init__(self, model: EagleDrafterModel, target: Model, topk: int = 1, depth: int = 8,
                  budget: int | None = None, tau: float | None = None, graphs: bool = False,
-                 initial_capacity: int = 256):
+                 initial_capacity: int = 256, compile: str | None = None):
         if topk < 1 or depth < 1 or (budget is not None and budget < 1):
             raise InputError("drafter top-k, depth and budget must be positive")
         if tau is not None and tau < 0:
@@ -275,6 +275,10 @@ class EagleDrafter(Drafter):
         self.entries = 1 + (depth - 1) * topk  # drafter queries per rollout: the root, then k per depth
         self.capture = tuple(model.cfg.feature_layers)
         self.initial_capacity = initial_capacity
+        # graphed rollout and extend compiled with this mode (specla.fused); None: the target
+        # model's own (compiled when the target is fused, as under SPECLA_COMPILE)
+        self.compile = compile
+        self._compiled: dict = {}
         model.inv_freq(target.device, target.dtype)  # made here: a compiled rollout only reads it
         self.reset(1)
 
@@ -301,10 +305,17 @@ class EagleDrafter(Drafter):
         self.started = False  # host flag: `pending` holds a feature
         self._bound = 0  # host-side upper bound of max(self.len): growing needs no sync per round
         self._graph, self._extend_graphs = None, {}
-        # the graphed rollout and extend, compiled under SPECLA_COMPILE (specla.fused); kept
-        # across generations and cache growth, which recompiles for the new capacity only
-        self._draft_fn, self._guard = fused.compile_for_graph(lambda root: self.draft(root, graphed=True))
-        self._extend_fn, _ = fused.compile_for_graph(self._extend)
+
+    def _graph_fns(self):
+        """(rollout, extend, capture guard factory) for the graphs: compiled when the drafter
+        or its target asks; kept across generations and cache growth (a new capacity
+        recompiles, nothing else does)."""
+        mode = self.compile or fused.mode_of(self.target)
+        if mode not in self._compiled:
+            draft, guard = fused.compile_for_graph(lambda root: self.draft(root, graphed=True), mode)
+            extend, _ = fused.compile_for_graph(self._extend, mode)
+            self._compiled[mode] = (draft, extend, guard)
+        return self._compiled[mode]
 
     def _reserve(self, extra: int) -> None:
         self._bound, new = kv_room(self.k.shape[2], self._bound, extra, self.len)
@@ -358,7 +369,8 @@ class EagleDrafter(Drafter):
             static = (tokens.clone(), {i: hidden[i].clone() for i in self.capture}, torch.zeros_like(length))
             # warm-up and capture with zero lengths: the only writes land past the committed
             # length (cache slots the next extend or rollout overwrites); len and pending keep
-            self._extend_graphs[key] = (graphs.capture(lambda: self._extend_fn(*static), self._guard()), static)
+            guard = self._graph_fns()[2]
+            self._extend_graphs[key] = (graphs.capture(lambda: self._graph_fns()[1](*static), guard()), static)
         graph, (st_tok, st_hid, st_len) = self._extend_graphs[key]
         st_tok.copy_(tokens)
         for i in self.capture:
@@ -426,7 +438,8 @@ class EagleDrafter(Drafter):
         if self._graph is None:
             self._root = root.clone()
             # the rollout only writes cache slots past the committed length
-            self._graph = graphs.capture(lambda: self._draft_fn(self._root), self._guard())
+            draft, _, guard = self._graph_fns()
+            self._graph = graphs.capture(lambda: draft(self._root), guard())
         self._root.copy_(root)
         self._graph.replay()
         return self._graph.out
