@@ -104,3 +104,47 @@ def sample(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, dr
         cur = torch.where(accept, j, cur)
     bonus = torch.multinomial(resid, 1, generator=generator)
     return Acceptance(path, length, bonus.squeeze(1))
+
+
+# emission: what a round hands to the output ---------------------------------------------------
+
+REPORT_HEAD = 6  # report columns before the tokens: count, length, first, top, drafted, done
+
+
+def emit(path_tokens: torch.Tensor, acc: Acceptance, emitted: torch.Tensor, done: torch.Tensor,
+         room: torch.Tensor, eos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A round's output on the device, by the decode loop's rule: the accepted drafts, then the
+    bonus token, cut through the first EOS and at the row's remaining room; rows already done
+    emit nothing. path_tokens [B, W] (root first, `acc.path`'s tokens); emitted, done, room [B]
+    (done and emitted are updated in place); eos [E] (ids; -1 pads a fixed-size buffer).
+    Returns (tokens [B, W], of which row b emits the first count[b]; count [B]) — count is
+    also what the commit consumes: the root and the first count - 1 accepted drafts."""
+    B, W = path_tokens.shape
+    j = torch.arange(W, device=path_tokens.device)
+    toks = torch.cat([path_tokens[:, 1:], path_tokens[:, :1]], 1)
+    toks = torch.where(j == (acc.length - 1)[:, None], acc.bonus[:, None], toks)
+    is_eos = (toks[..., None] == eos).any(-1) & (j < acc.length[:, None])
+    first_eos = torch.where(is_eos, j, W).amin(1)
+    count = torch.minimum(torch.minimum(acc.length, first_eos + 1), (room - emitted).clamp(min=0))
+    count = torch.where(done, 0, count)
+    emitted += count
+    done |= (first_eos < count) | (emitted >= room)
+    return toks, count
+
+
+def report(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor | None, logits: torch.Tensor,
+           acc: Acceptance, toks: torch.Tensor, count: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
+    """Everything the host reads of a round, in one [B, REPORT_HEAD + W] tensor (one copy):
+    count, path length, the root's first child's token (-1 if none: drafters put their best
+    child first), the target's greedy token at the root, real draft nodes, done; then the
+    emitted tokens."""
+    B, n = tokens.shape
+    first = torch.full_like(count, -1)
+    if n > 1:
+        real = parents[:, 1] == 0
+        if valid is not None:
+            real = real & (valid > 1)
+        first = torch.where(real, tokens[:, 1], first)
+    drafted = (valid if valid is not None else torch.full_like(count, n)) - 1
+    head = [count, acc.length, first, logits[:, 0].argmax(-1), drafted, done.long()]
+    return torch.cat([torch.stack(head, 1), toks], 1)

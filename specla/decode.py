@@ -72,6 +72,33 @@ class GenerationResult:
         return sum(m) / len(m) if m else float("nan")
 
 
+class _Reader:
+    """Round reports copied to the host without blocking, two in flight: on CUDA into pinned
+    buffers, each with an event to wait for; elsewhere a plain copy."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.bufs, self.events, self.k = [None, None], [None, None], 0
+
+    def send(self, rep: torch.Tensor) -> int:
+        i = self.k % 2
+        self.k += 1
+        if not self.cuda:
+            self.bufs[i] = rep.clone()
+            return i
+        if self.bufs[i] is None or self.bufs[i].shape != rep.shape:
+            self.bufs[i] = torch.empty(rep.shape, dtype=rep.dtype, pin_memory=True)
+            self.events[i] = torch.cuda.Event()
+        self.bufs[i].copy_(rep, non_blocking=True)
+        self.events[i].record()
+        return i
+
+    def recv(self, i: int) -> list[list[int]]:
+        if self.cuda:
+            self.events[i].synchronize()
+        return self.bufs[i].tolist()
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -82,7 +109,7 @@ class Decoder:
                  sampling: Sampling | None = None, delayed: bool = True,
                  eos_token_ids: tuple[int, ...] | set[int] = (), max_context: int | None = None,
                  prefill_chunk: int = 2048, graphs: bool | None = None, executor: str = "specla",
-                 targets: dict | None = None):
+                 targets: dict | None = None, pipeline: bool = True):
         self.model = model
         self.route = route or (drafter.name if drafter is not None else "ar")
         self.drafter = drafter
@@ -99,6 +126,9 @@ class Decoder:
         # Targets (cache buffers and their CUDA graphs) kept across generations; pass the same
         # dict to later Decoders of the same model to reuse them.
         self.targets = {} if targets is None else targets
+        # graphed greedy decoding runs rounds ahead of the host (`_runs_ahead`); False: one host
+        # read between rounds (the loop every other case takes)
+        self.pipeline = pipeline
 
     # input checks ----------------------------------------------------------------------------
     def _check(self, prompts: torch.Tensor, max_new_tokens: int) -> None:
@@ -151,37 +181,61 @@ class Decoder:
         t1 = time.perf_counter()
         result.prefill_seconds = t1 - t0
 
-        hist = prompts.tolist()
+        target.begin(prompts[:, -1], max_new_tokens, self.eos)
+        ahead = self._runs_ahead(target)
+        hist = None if ahead else prompts.tolist()  # host drafters read the history
+        reader = _Reader(dev)
         emitted: list[list[int]] = [[] for _ in range(B)]
-        done = [False] * B
-        root = prompts[:, -1]
-        while not all(done):
-            if self.drafter is None:
-                new, stats = self._ar_step(target, root, gen)
-            else:
-                new, stats = self._spec_round(target, hist, gen, capture, emitted, done, max_new_tokens)
-            for b in range(B):
-                if done[b]:
-                    continue
-                toks = new[b][: self._emit_count(new[b], max_new_tokens - len(emitted[b]))]
-                emitted[b] += toks
-                hist[b] += toks
-                if toks and toks[-1] in self.eos:
-                    done[b] = True
-                    if b == 0:
-                        result.stop_reason = "eos"
-                elif len(emitted[b]) >= max_new_tokens:
-                    done[b] = True
-                if b == 0:
-                    stats.emitted = len(toks)
-                    if on_tokens is not None and toks:
-                        on_tokens(toks)
-            result.rounds.append(stats)
-            root = torch.tensor([h[-1] for h in hist], device=dev)
+        pending = None  # a round sent but not yet read (running ahead)
+        while True:
+            sent = reader.send(self._round(target, hist, capture, gen))
+            if ahead and pending is None:
+                pending = sent  # queue the next round before reading this one
+                continue
+            got, pending = (pending, sent) if ahead else (sent, None)
+            if self._absorb(reader.recv(got), emitted, hist, result, on_tokens):
+                break  # every row is done; a round still in flight emits and commits nothing
         target.flush()
         _sync(dev)
         result.decode_seconds = time.perf_counter() - t1
         return emitted, result, cache
+
+    def _runs_ahead(self, target) -> bool:
+        """Whether round r + 1 is queued before the host reads round r: greedy rounds on CUDA
+        graphs whose drafter (if any) drafts from the device root, so the GPU never waits on
+        Python between rounds. Otherwise the host reads each round before the next."""
+        return (self.pipeline and isinstance(target, GraphTarget) and self.sampling.greedy
+                and (self.drafter is None or self.drafter.device_root))
+
+    def _round(self, target, hist, capture, gen) -> torch.Tensor:
+        """Launch one round (an AR step without a drafter); its report [B, ...] on the device."""
+        s = self.sampling
+        if self.drafter is None:
+            return target.ar_round(s.temperature, s.top_p, gen)
+        draft = self.drafter.propose(DraftContext(hist, target.cache, s.temperature, gen, root=target.next_root))
+        dev = self.model.device
+        path_tokens, hidden, count, rep = target.round(
+            draft.tokens.to(dev), draft.parents.to(dev), capture, None if draft.valid is None else draft.valid.to(dev),
+            draft.probs, s.temperature, s.top_p, gen, self.delayed)
+        self.drafter.extend(path_tokens, hidden, count)
+        return rep
+
+    def _absorb(self, rows: list[list[int]], emitted, hist, result, on_tokens) -> bool:
+        """Take one round's report (`acceptance.report`); True when every row is done."""
+        H = acceptance.REPORT_HEAD
+        for b, row in enumerate(rows):
+            count, length, first, top, drafted, _ = row[:H]
+            toks = row[H:H + count]
+            emitted[b] += toks
+            if hist is not None:
+                hist[b] += toks
+            if b == 0:
+                if toks and toks[-1] in self.eos:
+                    result.stop_reason = "eos"
+                result.rounds.append(RoundStats(drafted, length - 1, count, None if first < 0 else first == top))
+                if on_tokens is not None and toks:
+                    on_tokens(toks)
+        return all(row[H - 1] for row in rows)
 
     def _target(self, batch: int, max_len: int):
         if self.executor == "fla":
@@ -199,61 +253,3 @@ class Decoder:
                   else EagerTarget(self.model, batch, max_len))
         self.targets[key] = target
         return target
-
-    def _emit_count(self, toks: list[int], room: int) -> int:
-        """How many of a round's tokens are emitted: up to `room`, and through the first EOS."""
-        for i, t in enumerate(toks[:room]):
-            if t in self.eos:
-                return i + 1
-        return min(len(toks), room)
-
-    def _ar_step(self, target, root, gen):
-        logits = target.step(root)
-        if self.sampling.greedy:
-            nxt = logits.argmax(-1)
-        else:
-            p = acceptance.target_probs(logits, self.sampling.temperature, self.sampling.top_p)
-            nxt = torch.multinomial(p, 1, generator=gen).squeeze(1)
-        return [[t] for t in nxt.tolist()], RoundStats(0, 0, 1, None)
-
-    def _spec_round(self, target, hist, gen, capture, emitted, done, max_new_tokens):
-        draft = self.drafter.propose(DraftContext(hist, target.cache, self.sampling.temperature, gen))
-        tokens = draft.tokens.to(self.model.device)
-        parents = draft.parents.to(self.model.device)
-        valid = draft.valid.to(self.model.device) if draft.valid is not None else None
-        out, acc = target.verify(tokens, parents, capture, greedy=self.sampling.greedy, valid=valid)
-        if acc is None:
-            acc = acceptance.sample(tokens, parents, out.logits, draft.probs,
-                                    self.sampling.temperature, self.sampling.top_p, gen, valid)
-        B = tokens.shape[0]
-        rows = torch.arange(B, device=tokens.device)[:, None]
-        width = acc.path.shape[1]
-        padded = tokens if tokens.shape[1] == width else torch.cat(
-            [tokens, tokens[:, -1:].expand(-1, width - tokens.shape[1])], 1)
-        path_tokens = padded[rows, acc.path]  # [B, width]; root first
-        # First-token match: does the root's first child (drafters put their best child first)
-        # carry the target's greedy token? -1 where the root has no real child.
-        first = torch.full_like(acc.bonus, -1)
-        if tokens.shape[1] > 1:
-            real = parents[:, 1] == 0
-            if valid is not None:
-                real &= valid > 1
-            first = torch.where(real, tokens[:, 1], first)
-        top = out.logits[:, 0].argmax(-1)
-        drafted = (valid if valid is not None else torch.full_like(acc.length, tokens.shape[1])) - 1
-        # one device-to-host copy per round: what was accepted, and the statistics
-        packed = torch.cat([acc.length[:, None], acc.bonus[:, None], first[:, None], top[:, None],
-                            drafted[:, None], path_tokens], 1).tolist()
-        new, commit = [], []
-        for b, row in enumerate(packed):
-            length, bonus, path = row[0], row[1], row[5:]
-            toks = path[1:length] + [bonus]
-            r = 0 if done[b] else self._emit_count(toks, max_new_tokens - len(emitted[b]))
-            new.append(toks[:r])
-            commit.append(r)  # consumes the root and the first r - 1 accepted drafts
-        length = torch.tensor(commit, device=tokens.device)
-        target.commit(out.records, acc.path, length, delayed=self.delayed)
-        hidden = {i: h[rows, acc.path] for i, h in out.hidden.items()}
-        self.drafter.extend(path_tokens, hidden, length)
-        first0, top0, drafted0 = packed[0][2:5]
-        return new, RoundStats(drafted0, packed[0][0] - 1, 0, None if first0 < 0 else first0 == top0)

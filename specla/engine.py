@@ -28,6 +28,17 @@ class EagerTarget:
         self.model = model
         self.max_len = max_len
         self.cache: Cache = model.new_cache(batch, max_len=max_len)
+        self._emission(batch, model.device)
+
+    def _emission(self, batch: int, dev) -> None:
+        """The device's side of the decode loop (`begin`, `round`, `ar_round`): each round's
+        output is settled here (`acceptance.emit`), so the host only reads a report, and on
+        CUDA graphs may read it while the next round runs."""
+        self.next_root = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.emitted = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.done = torch.zeros(batch, dtype=torch.bool, device=dev)
+        self.room = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.eos = torch.full((8,), -1, dtype=torch.long, device=dev)  # ids; -1 pads
 
     def reset(self) -> None:
         """Empty the cache in place, so a new generation reuses its buffers (and graphs)."""
@@ -59,6 +70,62 @@ class EagerTarget:
 
     def flush(self) -> None:
         self.cache.flush()
+
+    # the decode loop's rounds -----------------------------------------------------------------
+    def begin(self, root: torch.Tensor, max_new_tokens: int, eos: set[int]) -> None:
+        """Start a generation: the first root, the token budget and the EOS ids."""
+        if len(eos) > self.eos.numel():  # rare: a new buffer, and graphs that read the old one go
+            self.eos = torch.full((len(eos),), -1, dtype=torch.long, device=self.eos.device)
+            getattr(self, "graphs", {}).clear()
+        self.next_root.copy_(root)
+        self.emitted.zero_()
+        self.done.zero_()
+        self.room.fill_(max_new_tokens)
+        self.eos.fill_(-1)
+        if eos:
+            self.eos[:len(eos)].copy_(torch.tensor(sorted(eos), device=self.eos.device))
+
+    def round(self, tokens, parents, capture=(), valid=None, probs=None, temperature=0.0, top_p=1.0,
+              generator=None, delayed=True):
+        """One speculative round from `next_root`'s draft: verify, accept (greedy, or lossless
+        sampling with the draft's `probs`), settle what is emitted and commit exactly that.
+        Returns (the accepted path's tokens [B, W] root first, their captured hidden states,
+        count [B] consumed and emitted, the report [B, ...] the host reads)."""
+        out, acc = self.verify(tokens, parents, capture, temperature == 0, valid)
+        if acc is None:
+            acc = acceptance.sample(tokens, parents, out.logits, probs, temperature, top_p, generator, valid)
+        settled = self._settle(tokens, parents, valid, out.logits, out.hidden, acc)
+        self.commit(out.records, acc.path, settled[2], delayed)
+        return settled
+
+    def ar_round(self, temperature=0.0, top_p=1.0, generator=None) -> torch.Tensor:
+        """One AR step from `next_root`: its token drawn (argmax, or sampled) and settled; the
+        report. Rows already done still consume a token: their state is never read again."""
+        return self._ar_settle(self.step(self.next_root), None if temperature == 0 else (temperature, top_p, generator))
+
+    def _ar_settle(self, logits: torch.Tensor, sampling) -> torch.Tensor:
+        root = self.next_root.clone()
+        if sampling is None:
+            nxt = logits.argmax(-1)
+        else:
+            temperature, top_p, generator = sampling
+            nxt = torch.multinomial(acceptance.target_probs(logits, temperature, top_p), 1,
+                                    generator=generator).squeeze(1)
+        B, dev = root.shape[0], root.device
+        acc = acceptance.Acceptance(torch.zeros(B, 1, dtype=torch.long, device=dev),
+                                    torch.ones(B, dtype=torch.long, device=dev), nxt)
+        return self._settle(root[:, None], torch.full_like(root[:, None], -1), None, logits[:, None], {}, acc)[3]
+
+    def _settle(self, tokens, parents, valid, logits, hidden, acc):
+        """`acceptance.emit` + `acceptance.report` on this target's buffers; `next_root`
+        becomes each row's last emitted token."""
+        rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
+        path_tokens = tokens[rows, acc.path]
+        toks, count = acceptance.emit(path_tokens, acc, self.emitted, self.done, self.room, self.eos)
+        rep = acceptance.report(tokens, parents, valid, logits, acc, toks, count, self.done)
+        last = toks.gather(1, (count - 1).clamp(min=0)[:, None]).squeeze(1)
+        self.next_root.copy_(torch.where(count > 0, last, self.next_root))
+        return path_tokens, {i: h[rows, acc.path] for i, h in hidden.items()}, count, rep
 
 
 class GraphTarget(EagerTarget):
@@ -111,7 +178,7 @@ class GraphTarget(EagerTarget):
                             + (list(st.pending) if st.pending is not None else []))
             else:
                 keep.append([st.k, st.v])
-        keep.append([self.cache.length])
+        keep.append([self.cache.length, self.next_root, self.emitted, self.done])
         return [[t, t.clone()] for ts in keep for t in ts]
 
     def _capture(self, key, fn):
@@ -132,18 +199,22 @@ class GraphTarget(EagerTarget):
         graph.replay()
         return out
 
-    def verify(self, tokens, parents, capture=(), greedy=True, valid=None):
-        if not greedy:  # sampling draws random numbers: run eagerly on the same buffers
-            return super().verify(tokens, parents, capture, greedy, valid)
+    def _stage(self, tokens, parents, valid) -> None:
+        """Copy a draft into the static buffers, padded with a chain under its last node
+        (acceptance ignores nodes past `valid`)."""
         n = tokens.shape[1]
         if n > self.budget:
             raise ValueError(f"draft of {n} nodes exceeds the graph budget of {self.budget}")
-        # pad with a chain under the last node; acceptance ignores nodes past `valid`
         self.tokens[:, :n].copy_(tokens)
         self.tokens[:, n:].copy_(tokens[:, -1:].expand(-1, self.budget - n))
         self.parents[:, :n].copy_(parents)
         self.parents[:, n:].copy_(torch.arange(n - 1, self.budget - 1, device=tokens.device))
         self.valid.copy_(valid if valid is not None else torch.full_like(self.valid, n))
+
+    def verify(self, tokens, parents, capture=(), greedy=True, valid=None):
+        if not greedy:  # sampling draws random numbers: run eagerly on the same buffers
+            return super().verify(tokens, parents, capture, greedy, valid)
+        self._stage(tokens, parents, valid)
         key = ("verify", tuple(capture))
 
         def run():
@@ -169,6 +240,37 @@ class GraphTarget(EagerTarget):
         graph, _ = self.graphs.get(key) or self._capture(
             key, lambda: self.cache.commit(records, self.path, self.length, self.delayed))
         graph.replay()
+
+
+    def round(self, tokens, parents, capture=(), valid=None, probs=None, temperature=0.0, top_p=1.0,
+              generator=None, delayed=True):
+        """Greedy: the whole round in one graph (verify, accept, settle, commit the emitted
+        tokens). Sampling: eagerly, through the same buffers."""
+        if temperature != 0:
+            return super().round(tokens, parents, capture, valid, probs, temperature, top_p, generator, delayed)
+        self._stage(tokens, parents, valid)
+        key = ("round", tuple(capture))
+
+        def run():
+            out = self.model.verify(self.tokens, self.parents, self.cache, capture)
+            acc = self._accept(self.tokens, self.parents, out.logits, self.valid)
+            settled = self._settle(self.tokens, self.parents, self.valid, out.logits, out.hidden, acc)
+            self.cache.commit(out.records, acc.path, settled[2], self.delayed)
+            return settled
+
+        graph, outs = self.graphs.get(key) or self._capture(key, run)
+        graph.replay()
+        return outs
+
+    def ar_round(self, temperature=0.0, top_p=1.0, generator=None) -> torch.Tensor:
+        """Greedy: the step and its settling in one graph. Sampling: the step's graph, then an
+        eager draw."""
+        if temperature != 0:
+            return super().ar_round(temperature, top_p, generator)
+        graph, rep = self.graphs.get("ar_round") or self._capture("ar_round", lambda: self._ar_settle(
+            self.model.forward(self.next_root[:, None], self.cache).logits[:, -1], None))
+        graph.replay()
+        return rep
 
 
 class FlaTarget(EagerTarget):
@@ -200,6 +302,7 @@ class FlaTarget(EagerTarget):
         self.fla.eval()
         self.pkv = None
         self.tokens = None
+        self._emission(batch, model.device)
 
     @torch.no_grad()
     def _run(self, tokens, pkv, capture):

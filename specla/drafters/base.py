@@ -33,11 +33,14 @@ class Draft:
 
 @dataclass
 class DraftContext:
-    history: list[list[int]]  # per row: prompt + emitted tokens; the last one is the root
+    # per row: prompt + emitted tokens; the last one is the root. None when the loop runs
+    # ahead of the host (greedy on CUDA graphs): then only `root` is known, on the device
+    history: list[list[int]] | None
     cache: Cache
     temperature: float = 0.0
     generator: torch.Generator | None = None
     extra: dict = field(default_factory=dict)
+    root: torch.Tensor | None = None  # [B] the roots on the device (set with history None)
 
 
 class Drafter:
@@ -46,6 +49,9 @@ class Drafter:
     name = "drafter"
     capture: tuple[int, ...] = ()  # target layers whose residual stream the drafter reads
     max_nodes: int = 64  # largest topology it proposes, root included (sizes CUDA-graph buffers)
+    # drafts from `DraftContext.root` alone (no host history, no host read): the decode loop
+    # may then run rounds ahead of the host
+    device_root: bool = False
 
     def reset(self, batch: int) -> None:
         """Start a new generation."""

@@ -256,6 +256,7 @@ class EagleDrafter(Drafter):
     """
 
     name = "eagle"
+    device_root = True
 
     def __init__(self, model: EagleDrafterModel, target: Model, topk: int = 1, depth: int = 8,
                  budget: int | None = None, tau: float | None = None, graphs: bool = False,
@@ -381,10 +382,9 @@ class EagleDrafter(Drafter):
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> Draft:
         dev = self.target.device
-        roots = [h[-1] for h in ctx.history]
-        root = torch.tensor(roots, device=dev)
+        root = ctx.root if ctx.root is not None else torch.tensor([h[-1] for h in ctx.history], device=dev)
         if not self.started:  # a one-token prompt: no feature to draft from yet
-            return Draft(root[:, None], topology.chain(1, len(roots), device=dev))
+            return Draft(root[:, None], topology.chain(1, root.shape[0], device=dev))
         self._reserve(self.entries)
         # selection and packing run on the device, inside the rollout's graph when there is one
         # (which runs every depth: a graph cannot stop early), so a round reads nothing back
