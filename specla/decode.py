@@ -3,7 +3,9 @@
 Without a drafter (route `ar`) one token is consumed per step through the plain sequence
 path; with one, each round verifies the drafter's topology and commits the accepted path
 from factor records (delayed by default: the GDN update is folded into the next verify).
-Which drafter serves which route name is the API's business (`specla.api`).
+What a round emits (EOS, token budget) is settled on the device (`acceptance.emit`); the
+host reads one small report per round — on CUDA graphs one round late, while the next
+round runs. Which drafter serves which route name is the API's business (`specla.api`).
 
 The loop runs B rows at once (each row its own prompt, draft and acceptance). The public
 API generates one sequence (B = 1); the batched form exists so tests can draw many samples.

@@ -1,12 +1,14 @@
 """Target-side execution for the decode loop: eager, replayed from CUDA graphs, or fla's.
 
-The decode loop needs four target operations — prefill, the AR step, verify + greedy
-acceptance, and commit. `EagerTarget` runs them as plain PyTorch on any device.
-`GraphTarget` (CUDA) captures the last three once, over static buffers: the cache is
-allocated once and updated in place, topologies are padded to a fixed node budget, so every
-round replays the same graphs; the only host synchronisation in a round is reading what
-was accepted (one small copy), which the loop needs to emit tokens anyway. `FlaTarget` is
-the paper's FLA-SD baseline: fla's own model and kernels, path replay, token-replay commit.
+The decode loop needs prefill and rounds: `round` (verify a draft, accept, settle what is
+emitted on the device, commit exactly that, report) and `ar_round` (one AR step, settled
+the same way). `EagerTarget` runs them as plain PyTorch on any device. `GraphTarget` (CUDA)
+captures them over static buffers: the cache is allocated once and updated in place,
+topologies are padded to a fixed node budget, and a greedy round is one graph replay that
+needs nothing from the host, so the loop can queue the next round before reading this one
+(`decode.Decoder`). `FlaTarget` is the paper's FLA-SD baseline: fla's own model and kernels,
+path replay, token-replay commit. Separate verify / commit graphs remain for the benchmarks
+that time those phases.
 """
 
 from __future__ import annotations
