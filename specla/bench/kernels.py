@@ -8,8 +8,7 @@ tiling (serial/hybrid tile sweep) and tiling_used, table1, state_commit (token r
 commit), fused, chain, picked, goals, bench_seconds.
 
 `picked` records every choice the run made from its own sweeps: the tiling of Table 1 and the
-hybrid, the chain kernel per T (variant "loop" | "unroll" | "unroll_defer" and its tiling, see
-`specla.ops.gdn.serial.CHAIN_VARIANTS`), the kernels of the delayed-update section (verify alone
+hybrid, the chain kernel's tiling per T, the tilings of the delayed-update section (verify alone
 and fused, each its own best), and the schedule the hybrid's cost model chose per Table 1 tree
 ("serial" pass or "hld" chains). The chain rows carry every candidate's time in `candidates`.
 
@@ -47,20 +46,11 @@ PAPER_TABLE1 = {
     (4, 12, 16): (19.0, 1.19, 0.52, 1.80), (4, 24, 32): (41.0, 1.30, 0.95, 2.19),
 }
 TILINGS = [(8, 1), (8, 2), (8, 4), (16, 2), (16, 4), (32, 4), (32, 8)]  # (block_v, num_warps) of serial/hybrid
-# the unrolled chain kernels compile once per length: a smaller tiling set, lengths up to 8
-UNROLL_TILINGS = [(8, 1), (8, 2), (16, 4)]
-UNROLL_SWEEP_MAX = 8
 
 
-def chain_candidates(T: int, quick: bool) -> list[dict]:
-    """Chain-kernel configurations swept for a T-node chain."""
-    tilings = TILINGS if not quick else [(16, 4)]
-    out = [{"variant": "loop", "block_v": bv, "num_warps": nw} for bv, nw in tilings]
-    if T <= UNROLL_SWEEP_MAX:
-        for variant in ("unroll", "unroll_defer"):
-            out += [{"variant": variant, "block_v": bv, "num_warps": nw}
-                    for bv, nw in (UNROLL_TILINGS if not quick else UNROLL_TILINGS[:1])]
-    return out
+def tilings(quick: bool) -> list[dict]:
+    """The (block_v, num_warps) configurations every sweep times."""
+    return [{"block_v": bv, "num_warps": nw} for bv, nw in (TILINGS if not quick else [(16, 4)])]
 
 
 @dataclass
@@ -151,11 +141,10 @@ def tiling_sweep(bench: Bench) -> list[dict]:
     chain_in = bench.layer_inputs(T, 2)
     scale = bench.K ** -0.5
     rows = []
-    for bv, nw in (TILINGS if not bench.quick else [(16, 4)]):
-        opt = dict(block_v=bv, num_warps=nw)
+    for opt in tilings(bench.quick):
         hy = bench.time_ms(lambda: [hybrid.gdn_tree_verify(*x, par_tree, scale, **opt) for x in tree_in])
         ch = bench.time_ms(lambda: [serial.gdn_tree_verify(*x, par_chain, scale, chain=True, **opt) for x in chain_in])
-        rows.append({"block_v": bv, "num_warps": nw, "hybrid_4_4_32_ms": hy, "chain_T16_layer_ms": ch / bench.layers})
+        rows.append({**opt, "hybrid_4_4_32_ms": hy, "chain_T16_layer_ms": ch / bench.layers})
     return rows
 
 
@@ -260,8 +249,8 @@ def commit_section(bench: Bench) -> list[dict]:
 def fused_section(bench: Bench, tiling: dict) -> list[dict]:
     """Delayed update: commit A accepted factors, then verify a 4-draft chain (5 tokens).
 
-    Verify alone and the fused kernel each get their own best chain kernel, swept at A = 4 over
-    `chain_candidates(5)` (recorded per row as verify_config / fused_config)."""
+    Verify alone and the fused kernel each get their own best tiling, swept at A = 4 over
+    `tilings` (recorded per row as verify_config / fused_config)."""
     from specla.ops.gdn import commit, serial
     from specla.topology import chain
 
@@ -272,13 +261,12 @@ def fused_section(bench: Bench, tiling: dict) -> list[dict]:
     path = torch.arange(P, device=bench.device)[None]
     sweep_pend = bench.pending(P, 4 if not bench.quick else 1, 8)
     sweep = []
-    for cand in chain_candidates(n, bench.quick):
-        opt = dict(cand)
+    for opt in tilings(bench.quick):
         v = bench.time_ms(lambda: [serial.gdn_tree_verify(*x, par, scale, chain=True, **opt) for x in ins])
         f = bench.time_ms(lambda: [serial.gdn_tree_verify(*x, par, scale, sweep_pend, chain=True, **opt) for x in ins])
-        sweep.append({**cand, "verify_24_ms": v, "fused_24_ms": f})
-    vcfg = {k: min(sweep, key=lambda r: r["verify_24_ms"])[k] for k in ("variant", "block_v", "num_warps")}
-    fcfg = {k: min(sweep, key=lambda r: r["fused_24_ms"])[k] for k in ("variant", "block_v", "num_warps")}
+        sweep.append({**opt, "verify_24_ms": v, "fused_24_ms": f})
+    vcfg = {k: min(sweep, key=lambda r: r["verify_24_ms"])[k] for k in ("block_v", "num_warps")}
+    fcfg = {k: min(sweep, key=lambda r: r["fused_24_ms"])[k] for k in ("block_v", "num_warps")}
     rows = []
     verify_only = bench.time_ms(lambda: [serial.gdn_tree_verify(*x, par, scale, chain=True, **vcfg) for x in ins])
     for A in (range(1, 9) if not bench.quick else (1, 4)):
@@ -299,11 +287,9 @@ def fused_section(bench: Bench, tiling: dict) -> list[dict]:
     return rows
 
 
-def chain_section(bench: Bench, tiling: dict, bandwidth: float, budget_s: float = 200.0) -> list[dict]:
-    """Chain verification per T: every `chain_candidates(T)` kernel in the same run, the best
-    one's time as `ms` (its configuration in `picked`), the Table 1 tiling's loop as `ms_loop`.
-    Past `budget_s` (compiles of the unrolled kernels dominate) only the Table 1 tiling's loop
-    and the unrolled kernel at that tiling are timed; such rows say `truncated`."""
+def chain_section(bench: Bench, tiling: dict, bandwidth: float) -> list[dict]:
+    """Chain verification per T: every tiling in the same run, the best one's time as `ms`
+    (its tiling in `picked`), the Table 1 tiling's as `ms_tiling`."""
     from specla.ops.gdn import serial
     from specla.topology import chain
 
@@ -311,30 +297,24 @@ def chain_section(bench: Bench, tiling: dict, bandwidth: float, budget_s: float 
     scale = bench.K ** -0.5
     floor_ms = 2 * bench.HV * bench.K * bench.V * 4 / bandwidth * 1e3  # state read + written once
     rows = []
-    t0 = time.perf_counter()
     for T in (range(1, 17) if not bench.quick else (1, 4)):
         par = chain(T, device=bench.device)
         ins = bench.layer_inputs(T, 9)
         cands = []
-        todo = chain_candidates(T, bench.quick)
-        truncated = time.perf_counter() - t0 > budget_s
-        if truncated:
-            todo = [c for c in todo if c["block_v"] == tiling["block_v"] and c["num_warps"] == tiling["num_warps"]]
-        for cand in todo:
-            opt = dict(cand)
+        for opt in tilings(bench.quick):
             ms = bench.time_ms(lambda: [serial.gdn_tree_verify(*x, par, scale, chain=True, **opt) for x in ins])
-            cands.append({**cand, "ms": ms / bench.layers})
+            cands.append({**opt, "ms": ms / bench.layers})
         best = min(cands, key=lambda r: r["ms"])
-        loop = [c["ms"] for c in cands if c["variant"] == "loop" and c["block_v"] == tiling["block_v"]
-                and c["num_warps"] == tiling["num_warps"]]
+        at_tiling = [c["ms"] for c in cands if c["block_v"] == tiling["block_v"]
+                     and c["num_warps"] == tiling["num_warps"]]
         fla_ms = None
         if fla is not None:
             fla_ms = bench.time_ms(lambda: [fla(q=x[0], k=x[1], v=x[2], g=x[3], beta=x[4], scale=scale,
                                                 initial_state=x[5], output_final_state=False) for x in ins])
             fla_ms /= bench.layers
-        rows.append({"T": T, "ms": best["ms"], "ms_loop": loop[0] if loop else None, "floor_ms": floor_ms,
-                     "fla_ms": fla_ms, "picked": {k: best[k] for k in ("variant", "block_v", "num_warps")},
-                     "candidates": cands, "truncated": truncated})
+        rows.append({"T": T, "ms": best["ms"], "ms_tiling": at_tiling[0] if at_tiling else None,
+                     "floor_ms": floor_ms, "fla_ms": fla_ms,
+                     "picked": {k: best[k] for k in ("block_v", "num_warps")}, "candidates": cands})
     return rows
 
 
@@ -406,13 +386,11 @@ def correctness(bench: Bench) -> dict:
         pc = chain(T, device=dev)
         S_ref = Sc.clone()
         ro, ru = naive.gdn_tree_verify(qc, kc, vc, gc, bc, S_ref, pc, scale, pend)
-        for variant in serial.CHAIN_VARIANTS:
-            for bv, nw in ((8, 1), (16, 4)):
-                S_out = Sc.clone()
-                o, u = serial.gdn_tree_verify(qc, kc, vc, gc, bc, S_out, pc, scale, pend, chain=True,
-                                              variant=variant, block_v=bv, num_warps=nw)
-                out[f"chain_{variant}_T{T}_bv{bv}_w{nw}"] = {"o": _err(o, ro), "u": _err(u, ru),
-                                                             "state": _err(S_out, S_ref)}
+        for bv, nw in ((8, 1), (16, 4)):
+            S_out = Sc.clone()
+            o, u = serial.gdn_tree_verify(qc, kc, vc, gc, bc, S_out, pc, scale, pend, chain=True,
+                                          block_v=bv, num_warps=nw)
+            out[f"chain_T{T}_bv{bv}_w{nw}"] = {"o": _err(o, ro), "u": _err(u, ru), "state": _err(S_out, S_ref)}
 
     T = 16
     qs, ks, vs, gs, bs, Ss = fp32.layer_inputs(T, 13)[0]
@@ -497,7 +475,7 @@ def _print(result: dict) -> None:
     table("delayed update, verify 4-draft chain, per layer", result.get("fused"),
           ["accepted", "separate_ms", "fused_ms", "verify_only_ms", "fused_over_verify", "verify_config",
            "fused_config"])
-    table("serial chain verifier, per layer", result.get("chain"), ["T", "ms", "ms_loop", "floor_ms", "fla_ms", "picked"])
+    table("serial chain verifier, per layer", result.get("chain"), ["T", "ms", "ms_tiling", "floor_ms", "fla_ms", "picked"])
     con.print("picked:", result.get("picked"))
     con.print("goals:", result["goals"])
 

@@ -165,112 +165,6 @@ def tree_verify_kernel(
         tl.store(p_S, S, mask=m_S)
 
 
-@triton.jit
-def _ld(ptr, mask, EVEN: tl.constexpr):
-    """Load, masked unless the tile is known to be in bounds (no predicates, wider vectors)."""
-    if EVEN:
-        x = tl.load(ptr)
-    else:
-        x = tl.load(ptr, mask=mask, other=0.0)
-    return x.to(tl.float32)
-
-
-@triton.jit(do_not_specialize=["P"])
-def chain_verify_kernel(
-    q, k, v, g, beta, state, o, u,
-    pk, pg, pu, plen,
-    scale, P,
-    s_qb, s_qn, s_kb, s_kn, s_vb, s_vn,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, PP: tl.constexpr,
-    T: tl.constexpr, TP: tl.constexpr,
-    USE_DOT: tl.constexpr, HAS_PENDING: tl.constexpr, STORE_U: tl.constexpr, WRITE_FINAL: tl.constexpr,
-    EVEN: tl.constexpr, DEFER: tl.constexpr,
-):
-    """Short-chain fast path: the serial verifier on a chain of T (constexpr) nodes, unrolled.
-
-    Same math and grid as `tree_verify_kernel` with TREE=False, but straight-line code: no node
-    loop, no parent bookkeeping, no masks on the node loads (t < T is known at compile time)
-    and, when EVEN (K == BK and BV divides V), no masks at all. DEFER keeps o and u in [TP, BV]
-    registers and writes each with one 2-D store at the end, so there is no store between the
-    nodes and every input load can be scheduled ahead of the recurrence.
-    """
-    r = tl.program_id(0)
-    b = r // (HV * NV)
-    hv = (r // NV) % HV
-    vt = r % NV
-    i_h = hv // (HV // H)
-
-    o_k = tl.arange(0, BK)
-    o_v = vt * BV + tl.arange(0, BV)
-    mk, mv = o_k < K, o_v < V
-    m_S = mk[:, None] & mv[None, :]
-    p_S = state + (b * HV + hv).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
-    p_q = q + b.to(tl.int64) * s_qb + i_h * K + o_k
-    p_k = k + b.to(tl.int64) * s_kb + i_h * K + o_k
-    p_v = v + b.to(tl.int64) * s_vb + hv * V + o_v
-    p_gb = b * T * HV + hv
-
-    # node 0's inputs, then the state tile: both requests are in flight together
-    b_q = _ld(p_q, mk, EVEN)
-    b_k = _ld(p_k, mk, EVEN)
-    b_v = _ld(p_v, mv, EVEN)
-    b_g = tl.load(g + p_gb).to(tl.float32)
-    b_b = tl.load(beta + p_gb).to(tl.float32)
-    S = _ld(p_S, m_S, EVEN)
-    if HAS_PENDING:
-        S = advance_tile(S, b, hv, i_h, pk, pg, pu, plen, plen, P, P, o_k, mk, o_v, mv,
-                         H, HV, K, V, PP, False, USE_DOT)
-        if tl.load(plen + b) > 0:  # an empty pending buffer leaves the state as it is
-            if EVEN:
-                tl.store(p_S, S)
-            else:
-                tl.store(p_S, S, mask=m_S)
-    if DEFER:
-        tt = tl.arange(0, TP)
-        O = tl.zeros([TP, BV], dtype=tl.float32)
-        U = tl.zeros([TP, BV], dtype=tl.float32)
-    for t in tl.static_range(T):
-        c_q, c_k, c_v, c_g, c_b = b_q, b_k, b_v, b_g, b_b
-        if t + 1 < T:  # prefetch the next node's inputs (independent of the state)
-            b_q = _ld(p_q + (t + 1) * s_qn, mk, EVEN)
-            b_k = _ld(p_k + (t + 1) * s_kn, mk, EVEN)
-            b_v = _ld(p_v + (t + 1) * s_vn, mv, EVEN)
-            b_g = tl.load(g + p_gb + (t + 1) * HV).to(tl.float32)
-            b_b = tl.load(beta + p_gb + (t + 1) * HV).to(tl.float32)
-        gamma = tl.exp(c_g)
-        kS, qS, qk = tl.reduce((S * c_k[:, None], S * c_q[:, None], (c_q * c_k)[:, None] + tl.zeros_like(S)),
-                               0, _sum3)
-        b_u = c_b * (c_v - gamma * kS)
-        S = S * gamma + c_k[:, None] * b_u[None, :]
-        b_o = (gamma * qS + qk * b_u) * scale
-        if DEFER:
-            O = tl.where(tt[:, None] == t, b_o[None, :], O)
-            if STORE_U:
-                U = tl.where(tt[:, None] == t, b_u[None, :], U)
-        else:
-            p_out = ((b * T + t) * HV + hv).to(tl.int64) * V + o_v
-            if EVEN:
-                tl.store(o + p_out, b_o)
-                if STORE_U:
-                    tl.store(u + p_out, b_u)
-            else:
-                tl.store(o + p_out, b_o, mask=mv)
-                if STORE_U:
-                    tl.store(u + p_out, b_u, mask=mv)
-    if DEFER:
-        p_out = ((b * T + tt[:, None]) * HV + hv).to(tl.int64) * V + o_v[None, :]
-        m_out = (tt[:, None] < T) & mv[None, :]
-        tl.store(o + p_out, O, mask=m_out)
-        if STORE_U:
-            tl.store(u + p_out, U, mask=m_out)
-    if WRITE_FINAL:
-        if EVEN:
-            tl.store(p_S, S)
-        else:
-            tl.store(p_S, S, mask=m_S)
-
-
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """[B, n, heads, D] with each token's [heads, D] block contiguous (batch/token strides free)."""
     if x.stride(3) != 1 or x.stride(2) != x.shape[3]:
@@ -305,45 +199,12 @@ def block_size(V: int, block_v: int) -> int:
     return min(block_v, triton.next_power_of_2(V))
 
 
-# Chain variants (`variant=`): "loop" is `tree_verify_kernel` (a runtime node loop, any length);
-# "unroll" and "unroll_defer" are `chain_verify_kernel` specialised on the length (one compile
-# per length, so only up to UNROLL_MAX nodes), the latter with deferred o/u stores.
-CHAIN_VARIANTS = ("loop", "unroll", "unroll_defer")
-UNROLL_MAX = 16
-
-
-def launch_chain(q, k, v, g, beta, state, scale, pending, *, defer, store_u=True, write_final=False,
-                 block_v, num_warps):
-    """Run `chain_verify_kernel` (nodes 0..n-1 of each row form a chain); returns (o, u)."""
-    B, n, HV, V = v.shape
-    H, K = k.shape[2], k.shape[3]
-    dev = state.device
-    q, k, v = _rows(q), _rows(k), _rows(v)
-    o = torch.empty(B, n, HV, V, dtype=state.dtype, device=dev)
-    u = torch.empty_like(o) if store_u else o
-    pk, pg, pu, plen, P, PP, use_dot, has_pending = pending_args(pending, dev, block_v, K)
-    BK, NV = triton.next_power_of_2(K), triton.cdiv(V, block_v)
-    chain_verify_kernel[(B * HV * NV,)](
-        q, k, v, g.contiguous(), beta.contiguous(), state, o, u, pk, pg, pu, plen, scale, P,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        H=H, HV=HV, K=K, V=V, BK=BK, BV=block_v, NV=NV, PP=PP, T=n, TP=triton.next_power_of_2(n),
-        USE_DOT=use_dot, HAS_PENDING=has_pending, STORE_U=store_u, WRITE_FINAL=write_final,
-        EVEN=BK == K and V % block_v == 0, DEFER=defer, num_warps=num_warps)
-    return o, u
-
-
 def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, *,
-                    chain: bool = False, block_v: int = 16, num_warps: int = 4, variant: str = "loop"):
+                    chain: bool = False, block_v: int = 16, num_warps: int = 4):
     """Same contract as `naive.gdn_tree_verify` (fp32 state). `chain=True` promises
-    parents[:, j] = j - 1, which skips the topology bookkeeping; with it, `variant` picks the
-    chain kernel (CHAIN_VARIANTS; the unrolled ones fall back to "loop" past UNROLL_MAX nodes)."""
+    parents[:, j] = j - 1, which skips the topology bookkeeping."""
     B, n, HV, V = v.shape
     BV = block_size(V, block_v)
-    if variant not in CHAIN_VARIANTS:
-        raise ValueError(f"unknown chain variant {variant!r}; choose one of {', '.join(CHAIN_VARIANTS)}")
-    if chain and variant != "loop" and n <= UNROLL_MAX:
-        return launch_chain(q, k, v, g, beta, state, scale, pending, defer=variant == "unroll_defer",
-                            block_v=BV, num_warps=num_warps)
     grid = (B * HV * triton.cdiv(V, BV),)
     return launch(q, k, v, g, beta, state, parents.contiguous(), scale, pending, grid=grid,
                   tree=not chain, block_v=BV, num_warps=num_warps)
