@@ -19,6 +19,21 @@ import triton.language as tl
 
 
 @triton.jit
+def _factor(path, g, b, hv, p, P, n_live, n_src, HV: tl.constexpr, HAS_PATH: tl.constexpr):
+    """Factor p of row b: its source row (path[b, p] clamped into range, or p without a path),
+    whether it is live (p < length[b]), and its log-decay (0 when not live)."""
+    if HAS_PATH:
+        node = tl.load(path + b * P + p, mask=p < P, other=0).to(tl.int64)
+        node = tl.minimum(tl.maximum(node, 0), n_src - 1)
+    else:
+        node = p
+    row = b * n_src + node
+    live = (p < P) & (p < n_live)
+    gp = tl.load(g + row * HV + hv, mask=p < P, other=0.0).to(tl.float32)
+    return row, live, tl.where(live, gp, 0.0)
+
+
+@triton.jit
 def advance_tile(S, b, hv, i_h, k, g, u, path, length, n_src, P,
                  o_k, mk, o_v, mv,
                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -58,26 +73,13 @@ def advance_tile(S, b, hv, i_h, k, g, u, path, length, n_src, P,
         # vector layout it is used in (no picking rows out of a register block)
         GA = 0.0
         for p in tl.static_range(PP):
-            livep = (p < P) & (p < n_live)
-            if HAS_PATH:
-                node = tl.load(path + b * P + p, mask=p < P, other=0).to(tl.int64)
-                node = tl.minimum(tl.maximum(node, 0), n_src - 1)
-            else:
-                node = p
-            gp = tl.load(g + (b * n_src + node) * HV + hv, mask=p < P, other=0.0).to(tl.float32)
-            GA += tl.where(livep, gp, 0.0)
+            _, _, gp = _factor(path, g, b, hv, p, P, n_live, n_src, HV, HAS_PATH)
+            GA += gp
         S = S * tl.exp(GA)
         G = 0.0
         for p in tl.static_range(PP):
-            livep = (p < P) & (p < n_live)
-            if HAS_PATH:
-                node = tl.load(path + b * P + p, mask=p < P, other=0).to(tl.int64)
-                node = tl.minimum(tl.maximum(node, 0), n_src - 1)
-            else:
-                node = p
-            row = b * n_src + node
-            gp = tl.load(g + row * HV + hv, mask=p < P, other=0.0).to(tl.float32)
-            G += tl.where(livep, gp, 0.0)
+            row, livep, gp = _factor(path, g, b, hv, p, P, n_live, n_src, HV, HAS_PATH)
+            G += gp
             kr = tl.load(k + (row * H + i_h) * K + o_k, mask=mk & (p < P), other=0.0).to(tl.float32)
             ur = tl.load(u + (row * HV + hv) * V + o_v, mask=mv & (p < P), other=0.0).to(tl.float32)
             kr = tl.where(livep, kr * tl.exp(GA - G), 0.0)
