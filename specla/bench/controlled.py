@@ -43,6 +43,7 @@ from specla.bench.trees import beam_tree
 from specla.drafters.eagle import EagleConfig, EagleDrafter, EagleDrafterModel
 from specla.engine import EagerTarget, GraphTarget
 from specla.fused import env_mode as fused_env_mode
+from specla.graphs import capture as capture_graph
 from specla.shapes import random_model
 
 PS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
@@ -148,18 +149,9 @@ class ChainRuntime:
             self._x = (tokens.clone(), length.clone())
             saved = (d.len.clone(), d.pending.clone())
             d._bound = int(d.len.max())  # no host read inside the capture
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    d.extend(self._x[0], hidden, self._x[1])
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                d.extend(self._x[0], hidden, self._x[1])
+            self._extend_graph = capture_graph(lambda: d.extend(self._x[0], hidden, self._x[1]))
             d.len.copy_(saved[0])
             d.pending.copy_(saved[1])
-            self._extend_graph = graph
         self._x[0].copy_(tokens)
         self._x[1].copy_(length)
         self._extend_graph.replay()

@@ -44,6 +44,7 @@ import torch
 
 from specla.bench.common import RESULTS, bootstrap, write_results
 from specla.bench.e2e import bootstrap_ratio
+from specla.graphs import capture as capture_graph
 
 SUITES = ("mixed", "gsm8k", "humaneval")
 ROWS = ("dspark", "dspark_ft", "ready")
@@ -221,16 +222,7 @@ def _time(fn, cuda: bool, reps: int) -> float:
     if cuda:
         import triton.testing
 
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return triton.testing.do_bench(g.replay, warmup=25, rep=200, return_mode="median") * 1e3
+        return triton.testing.do_bench(capture_graph(fn).replay, warmup=25, rep=200, return_mode="median") * 1e3
     ts = []
     for _ in range(reps):
         t0 = time.perf_counter()
