@@ -190,13 +190,13 @@ class SpecLA:
     def generate(self, prompt, route: str = "tree", max_new_tokens: int = 128, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, chat: bool | None = None, chain_length: int = 8,
                  tree_topk: int = 4, tree_budget: int = 16, tree_depth: int = 8, tree_tau: float | None = None,
-                 drafter: str = "auto", delayed: bool = True, on_text=None) -> Generation:
+                 drafter: str = "auto", delayed: bool = True, on_text=None, pipeline: bool = True) -> Generation:
         ids = self.encode_prompt(prompt, chat)
         key = (route, chain_length, tree_topk, tree_budget, tree_depth, tree_tau, drafter)
         if key not in self._drafters:
             self._drafters[key] = self.drafter(*key)
         decoder = Decoder(self.model, self._drafters[key], route, targets=self._targets,
-                          sampling=Sampling(temperature, top_p, seed), delayed=delayed,
+                          sampling=Sampling(temperature, top_p, seed), delayed=delayed, pipeline=pipeline,
                           eos_token_ids=self.tokenizer.eos_token_ids | set(self.model.cfg.eos_token_id),
                           executor="fla" if route == "fla" else "specla")
         stream = TextStream(self.tokenizer)

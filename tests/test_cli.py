@@ -153,3 +153,17 @@ def test_bad_cli_options_one_line_error(model_dir, tmp_path, args, msg):
     assert code == 2, err
     assert msg in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_readme_python_example_runs():
+    """The README's Python example, as written (the bundled demo pair; on CPU here)."""
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    code = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+    printed = []
+    env = {"print": lambda *a, **k: printed.append(a)}
+    exec(compile(code, "README.md", "exec"), env)
+    lm = env["lm"]
+    assert lm.model.device.type in ("cpu", "cuda") and env["out"].tokens and printed

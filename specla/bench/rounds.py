@@ -1,10 +1,14 @@
 """`specla bench rounds`: where a speculative round's time goes, on real prompts.
 
 For each route, generates a few prompts of a suite with the checkpoint's drafter and times
-every phase of every round: the drafter's `propose` and `extend`, the target's `verify`
-and `commit`. Each phase gets two numbers: its span on the GPU timeline (CUDA events around
-the call, no extra synchronisation) and the host time spent issuing it. A round's wall time
-minus its phases is the loop's own work (the one host read per round, Python bookkeeping).
+every phase of every round: the drafter's `propose` and `extend`, the target's `round`
+(verify, accept, settle, commit; `ar_round` for AR). Each phase gets two numbers: its span
+on the GPU timeline (CUDA events around the call, no extra synchronisation) and the host
+time spent issuing it. Each route runs twice in the same process: running ahead of the host
+(the default loop on CUDA graphs) and reading every round before the next
+(`pipeline=False`), so the gain of running ahead is a same-run ratio. Reading every round,
+a round's wall time minus its phases is the loop's own work (the host read, Python);
+running ahead, that work overlaps the next round and the wall time per round is what counts.
 One more generation per route runs under torch.profiler for kernels and GPU busy time per round.
 """
 
@@ -19,7 +23,7 @@ import torch
 from specla.bench.common import RESULTS, write_results
 from specla.bench.e2e import _route_kwargs
 
-PHASES = {"drafter": ("propose", "extend"), "target": ("verify", "commit", "step")}
+PHASES = {"drafter": ("propose", "extend"), "target": ("round", "ar_round")}
 
 
 class _Timer:
@@ -73,8 +77,8 @@ def run(model_dir=None, routes=("ar", "chain", "tree", "ngram"), suite: str = "m
         raise SystemExit("bench rounds times CUDA work: run it on a GPU")
     prompts = [p.turns[0] for p in load_suite(suite, limit=n_prompts)]
     rows = []
-    for route in routes:
-        kw = _route_kwargs(route)
+    for route, pipeline in [(r, p) for r in routes for p in (True, False)]:
+        kw = dict(_route_kwargs(route), pipeline=pipeline)
         lm.generate(prompts[0], max_new_tokens=max_new_tokens, **kw)  # build, compile, capture
         timer = _Timer()
         for drafter in {id(d): d for d in lm._drafters.values() if d is not None}.values():
@@ -94,7 +98,7 @@ def run(model_dir=None, routes=("ar", "chain", "tree", "ngram"), suite: str = "m
         finally:
             phases = timer.totals()
             timer.unwrap()
-        row = {"route": route, "prompts": len(prompts), "rounds": rounds, "tokens": tokens,
+        row = {"route": route if pipeline else f"{route} (host read)", "pipeline": pipeline, "prompts": len(prompts), "rounds": rounds, "tokens": tokens,
                "round_ms": wall * 1e3 / rounds, "ms_per_token": wall * 1e3 / tokens,
                "phases": {k: {"gpu_ms_per_round": v["gpu_ms"] / rounds, "host_ms_per_round": v["host_ms"] / rounds,
                               "calls_per_round": v["calls"] / rounds} for k, v in phases.items()}}
