@@ -19,7 +19,7 @@ from specla.checkpoint import load_model, save_model
 from specla.config import ModelConfig
 from specla.decode import Decoder
 from specla.drafters import tree
-from specla.drafters.base import pad_drafts
+from specla.drafters.base import Drafter, pad_drafts
 from specla.drafters.eagle import (EagleConfig, EagleDrafter, EagleDrafterModel, find_drafter, load_drafter,
                                    save_drafter)
 from specla.errors import CheckpointError, InputError
@@ -401,8 +401,9 @@ class _EmulatedGraph:
 
     def __init__(self, fn, guard=None):
         self.fn = fn
-        owner = next(c.cell_contents for c in fn.__closure__ or () if isinstance(c.cell_contents, EagleDrafter))
-        self.owner, self.bound = owner, {n: getattr(owner, n) for n in ("k", "v", "len", "pending")}
+        owner = next(c.cell_contents for c in fn.__closure__ or () if isinstance(c.cell_contents, Drafter))
+        self.owner = owner
+        self.bound = {n: getattr(owner, n) for n in ("k", "v", "len", "pending") if hasattr(owner, n)}
         for _ in range(2):  # the warm-up
             fn()
         self.out = fn()

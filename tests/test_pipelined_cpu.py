@@ -134,3 +134,28 @@ def test_pipelined_eagle_equals_host_loop(emulated, demo_fp32, route, opts):
     rows, res, cache_p, cache_h = _check(model, make, route, prompt, 40, _eos_at(ar, 17))
     assert res.stop_reason == "eos" and rows[0] == ar[:len(rows[0])] and len(rows[0]) < 40
     assert_same_state(cache_p, cache_h, tol=1e-5)
+
+
+@pytest.mark.parametrize("route,threshold", [("dspark", 0.0), ("ready", 0.0), ("ready", 0.3)])
+def test_pipelined_block_drafters_equal_host_loop(emulated, demo_fp32, route, threshold):
+    """DSpark and ReaDy draft from the device root too (whole blocks, positions past the
+    confidence cut marked invalid): the pipelined loop equals AR and the host loop, and ReaDy's
+    reader, which flushes the pending commit it reads, leaves the same state."""
+    from specla.drafters.dspark import DSparkDrafter, find_block_drafter
+    from specla.drafters.ready import ReadyDrafter
+
+    model, _ = demo_fp32
+    cls = DSparkDrafter if route == "dspark" else ReadyDrafter
+    path = find_block_drafter(DEMO_DIR, route)
+    loaded = cls.load(path, model, threshold=threshold)
+
+    def make():
+        d = cls(loaded.model, model, threshold=threshold)
+        d.graphs = True
+        return d
+
+    prompt = [int(t) for t in torch.randint(3, 8000, (12,), generator=torch.Generator().manual_seed(2))]
+    ar = Decoder(model, graphs=False).run(torch.tensor([prompt]), 32)[0][0]
+    rows, res, cache_p, cache_h = _check(model, make, route, prompt, 32, _eos_at(ar, 9))
+    assert rows[0] == ar[:len(rows[0])] and res.stop_reason == "eos"
+    assert_same_state(cache_p, cache_h, tol=1e-5)

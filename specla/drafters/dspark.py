@@ -311,6 +311,7 @@ class DSparkDrafter(Drafter):
     """
 
     name = "dspark"
+    device_root = True
 
     def __init__(self, model: DSparkModel, target: Model, threshold: float = 0.0, block: int | None = None,
                  min_draft: int = 1, graphs: bool = False, initial_capacity: int = 256):
@@ -432,12 +433,11 @@ class DSparkDrafter(Drafter):
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> Draft:
         dev = self.target.device
-        root = torch.tensor([h[-1] for h in ctx.history], device=dev)
+        root = ctx.root if ctx.root is not None else torch.tensor([h[-1] for h in ctx.history], device=dev)
         tokens, keep = self._replay(root, ctx.cache) if self.graphs else self.draft(root, ctx.cache)
-        keep_host = keep.tolist()  # the round's one host read on the drafter side
-        n = max(keep_host)
-        B = root.shape[0]
-        toks = torch.cat([root[:, None], tokens[:, :n]], 1)
+        # always the whole block, with positions past the confidence cut marked invalid
+        # (acceptance ignores them): no host read, so the loop may run ahead of the host
+        B, n = root.shape[0], self.block
+        toks = torch.cat([root[:, None], tokens], 1)
         parents = torch.arange(-1, n, device=dev).expand(B, n + 1)
-        valid = None if min(keep_host) == n else keep + 1
-        return Draft(toks, parents, valid=valid)
+        return Draft(toks, parents, valid=None if self.threshold == 0 else keep + 1)
