@@ -3,8 +3,9 @@
 Per shape (random bf16 weights, fp32 state): AR time per token through the decode loop
 (eager and graph replay) against the floor of reading the weights once at the measured copy
 bandwidth; one speculative round on a 16-draft-node beam tree (verify + greedy acceptance +
-the host read of what was accepted + commit; `round16_ms`); and whether the graph path emits
-the same tokens as the eager path (AR and an n-gram tree route).
+settling + commit in one graph, `GraphTarget.round`, plus the host read of its report;
+`round16_ms`); and whether the graph path emits the same tokens as the eager path (AR and an
+n-gram tree route).
 
 `profile=True` (`--profile`) adds, per shape, a torch.profiler view of ~5 eager AR steps and
 ~5 eager 16-node rounds (verify + acceptance + delayed commit): kernels launched per step, GPU
@@ -34,20 +35,21 @@ def _prompt(vocab: int, length: int, seed: int = 0) -> list[int]:
 
 
 def _time_rounds(model, prompt, parents, rounds: int, delayed: bool = True) -> float:
-    """Median ms of one round (verify + accept + host read + commit) in graph replay."""
+    """Median ms of one round as the decode loop runs it (`GraphTarget.round`: verify, accept,
+    settle, commit in one graph replay) plus reading its report, each round on its own."""
     n = len(parents)
     tgt = GraphTarget(model, 1, len(prompt) + 4 * rounds * n + 64, n, delayed)
     tgt.prefill(torch.tensor([prompt[:-1]], device=model.device))
+    tgt.begin(torch.tensor([prompt[-1]], device=model.device), 4 * rounds * n, set())
     par = torch.tensor([parents], device=model.device)
     g = torch.Generator(device=model.device).manual_seed(0)
     times = []
     for i in range(rounds + 3):
         tokens = torch.randint(0, model.cfg.vocab_size, (1, n), device=model.device, generator=g)
+        tokens[:, 0] = tgt.next_root
         torch.cuda.synchronize(model.device)
         t0 = time.perf_counter()
-        out, acc = tgt.verify(tokens, par)
-        accepted = acc.length.tolist()  # the loop's one host read per round
-        tgt.commit(out.records, acc.path, torch.tensor(accepted, device=model.device), delayed)
+        tgt.round(tokens, par)[3].tolist()  # the report: the loop's one host read per round
         torch.cuda.synchronize(model.device)
         if i >= 3:
             times.append((time.perf_counter() - t0) * 1e3)
@@ -63,15 +65,15 @@ def _generate(model, make_drafter, graphs: bool, prompt, new_tokens: int):
 
 
 def _time_ar_steps(model, prompt, steps: int) -> float:
+    """Median ms of one greedy AR step (`GraphTarget.ar_round`) plus reading its report."""
     tgt = GraphTarget(model, 1, len(prompt) + steps + 64, 1, True)
     tgt.prefill(torch.tensor([prompt[:-1]], device=model.device))
-    root = torch.tensor([prompt[-1]], device=model.device)
+    tgt.begin(torch.tensor([prompt[-1]], device=model.device), steps + 3, set())
     times = []
     for i in range(steps + 3):
         torch.cuda.synchronize(model.device)
         t0 = time.perf_counter()
-        nxt = tgt.step(root).argmax(-1)
-        root = torch.tensor(nxt.tolist(), device=model.device)
+        tgt.ar_round().tolist()
         if i >= 3:
             times.append((time.perf_counter() - t0) * 1e3)
     return sorted(times)[len(times) // 2]
