@@ -216,11 +216,11 @@ class Decoder:
             return target.ar_round(s.temperature, s.top_p, gen)
         draft = self.drafter.propose(DraftContext(hist, target.cache, s.temperature, gen, root=target.next_root))
         dev = self.model.device
-        path_tokens, hidden, count, rep = target.round(
-            draft.tokens.to(dev), draft.parents.to(dev), capture, None if draft.valid is None else draft.valid.to(dev),
-            draft.probs, s.temperature, s.top_p, gen, self.delayed)
-        self.drafter.extend(path_tokens, hidden, count)
-        return rep
+        r = target.round(draft.tokens.to(dev), draft.parents.to(dev), capture,
+                         None if draft.valid is None else draft.valid.to(dev), draft.probs, s.temperature, s.top_p,
+                         gen, self.delayed)
+        self.drafter.extend(r.path_tokens, r.hidden, r.count)
+        return r.report
 
     def _absorb(self, rows: list[list[int]], emitted, hist, result, on_tokens) -> bool:
         """Take one round's report (`acceptance.report`); True when every row is done."""

@@ -14,12 +14,25 @@ that time those phases.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 
 from specla import acceptance, fused, graphs
 from specla.model import Model, ModelOutput
 from specla.state import Cache, GDNLayerState
+
+
+@dataclass
+class Round:
+    """What a settled round hands on: the accepted path's tokens [B, W] (root first) and their
+    captured hidden states (the drafter's `extend` input), `count` [B] tokens emitted and
+    consumed, and the report [B, acceptance.REPORT_HEAD + W] the host reads."""
+
+    path_tokens: torch.Tensor
+    hidden: dict[int, torch.Tensor]
+    count: torch.Tensor
+    report: torch.Tensor
 
 
 class EagerTarget:
@@ -90,14 +103,12 @@ class EagerTarget:
     def round(self, tokens, parents, capture=(), valid=None, probs=None, temperature=0.0, top_p=1.0,
               generator=None, delayed=True):
         """One speculative round from `next_root`'s draft: verify, accept (greedy, or lossless
-        sampling with the draft's `probs`), settle what is emitted and commit exactly that.
-        Returns (the accepted path's tokens [B, W] root first, their captured hidden states,
-        count [B] consumed and emitted, the report [B, ...] the host reads)."""
+        sampling with the draft's `probs`), settle what is emitted and commit exactly that."""
         out, acc = self.verify(tokens, parents, capture, temperature == 0, valid)
         if acc is None:
             acc = acceptance.sample(tokens, parents, out.logits, probs, temperature, top_p, generator, valid)
         settled = self._settle(tokens, parents, valid, out.logits, out.hidden, acc)
-        self.commit(out.records, acc.path, settled[2], delayed)
+        self.commit(out.records, acc.path, settled.count, delayed)
         return settled
 
     def ar_round(self, temperature=0.0, top_p=1.0, generator=None) -> torch.Tensor:
@@ -116,9 +127,9 @@ class EagerTarget:
         B, dev = root.shape[0], root.device
         acc = acceptance.Acceptance(torch.zeros(B, 1, dtype=torch.long, device=dev),
                                     torch.ones(B, dtype=torch.long, device=dev), nxt)
-        return self._settle(root[:, None], torch.full_like(root[:, None], -1), None, logits[:, None], {}, acc)[3]
+        return self._settle(root[:, None], torch.full_like(root[:, None], -1), None, logits[:, None], {}, acc).report
 
-    def _settle(self, tokens, parents, valid, logits, hidden, acc):
+    def _settle(self, tokens, parents, valid, logits, hidden, acc) -> Round:
         """`acceptance.emit` + `acceptance.report` on this target's buffers; `next_root`
         becomes each row's last emitted token."""
         rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
@@ -127,7 +138,7 @@ class EagerTarget:
         rep = acceptance.report(tokens, parents, valid, logits, acc, toks, count, self.done)
         last = toks.gather(1, (count - 1).clamp(min=0)[:, None]).squeeze(1)
         self.next_root.copy_(torch.where(count > 0, last, self.next_root))
-        return path_tokens, {i: h[rows, acc.path] for i, h in hidden.items()}, count, rep
+        return Round(path_tokens, {i: h[rows, acc.path] for i, h in hidden.items()}, count, rep)
 
 
 class GraphTarget(EagerTarget):
@@ -257,7 +268,7 @@ class GraphTarget(EagerTarget):
             out = self.model.verify(self.tokens, self.parents, self.cache, capture)
             acc = self._accept(self.tokens, self.parents, out.logits, self.valid)
             settled = self._settle(self.tokens, self.parents, self.valid, out.logits, out.hidden, acc)
-            self.cache.commit(out.records, acc.path, settled[2], self.delayed)
+            self.cache.commit(out.records, acc.path, settled.count, self.delayed)
             return settled
 
         graph, outs = self.graphs.get(key) or self._capture(key, run)

@@ -49,7 +49,7 @@ def _time_rounds(model, prompt, parents, rounds: int, delayed: bool = True) -> f
         tokens[:, 0] = tgt.next_root
         torch.cuda.synchronize(model.device)
         t0 = time.perf_counter()
-        tgt.round(tokens, par)[3].tolist()  # the report: the loop's one host read per round
+        tgt.round(tokens, par).report.tolist()  # the loop's one host read per round
         torch.cuda.synchronize(model.device)
         if i >= 3:
             times.append((time.perf_counter() - t0) * 1e3)
