@@ -13,6 +13,7 @@ that time those phases.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 
@@ -196,7 +197,9 @@ class GraphTarget(EagerTarget):
 
     def _capture(self, key, fn):
         """Warm up and capture `fn` without changing the cache: its state is restored after."""
-        with torch.cuda.device(self.model.device):  # streams and graph on the model's GPU
+        dev = self.model.device
+        # streams and graph on the model's GPU (elsewhere only an emulated capture runs: tests)
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
             saved = self._snapshot()
             fused = getattr(self.model, "_fused", None)  # the fused path must not compile in a capture
             graph = graphs.capture(fn, fused.capturing() if fused is not None else None)

@@ -13,13 +13,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specla import fused, graphs, topology
+from specla import fused, topology
 from specla.api import DEMO_DIR
 from specla.checkpoint import load_model, save_model
 from specla.config import ModelConfig
 from specla.decode import Decoder
 from specla.drafters import tree
-from specla.drafters.base import Drafter, pad_drafts
+from specla.drafters.base import pad_drafts
 from specla.drafters.eagle import (EagleConfig, EagleDrafter, EagleDrafterModel, find_drafter, load_drafter,
                                    save_drafter)
 from specla.errors import CheckpointError, InputError
@@ -27,6 +27,7 @@ from specla.train.drafter import (ResponseSet, collect_responses, generate_respo
                                   opening_turns, save_responses, train_drafter)
 
 from conftest import random_model, tiny_config
+from graph_emulation import emulate_graphs
 from test_exactness import assert_same_state, make_prompt
 
 NEW = 64
@@ -393,35 +394,11 @@ def test_build_batch_equals_build(shape, vocab, seeds, budget, tau):
         assert out_tok[b].tolist() == pad.tokens[0].tolist() and out_par[b].tolist() == pad.parents[0].tolist()
 
 
-class _EmulatedGraph:
-    """A CUDA graph stand-in for CPU: `replay` re-runs the captured function and copies its
-    results into the outputs the capture returned. It also fails if the drafter's cache, length
-    or pending tensors were replaced since the capture: a real graph would still use the old
-    ones."""
-
-    def __init__(self, fn, guard=None):
-        self.fn = fn
-        owner = next(c.cell_contents for c in fn.__closure__ or () if isinstance(c.cell_contents, Drafter))
-        self.owner = owner
-        self.bound = {n: getattr(owner, n) for n in ("k", "v", "len", "pending") if hasattr(owner, n)}
-        for _ in range(2):  # the warm-up
-            fn()
-        self.out = fn()
-
-    def replay(self):
-        for n, t in self.bound.items():
-            assert getattr(self.owner, n) is t, f"a replay would use a stale {n!r}"
-        new = self.fn()
-        if self.out is not None:
-            for a, b in zip(self.out, new):
-                a.copy_(b)
-
-
 @pytest.mark.parametrize("route", ["chain", "tree"])
 def test_graphed_drafting_equals_eager(monkeypatch, route):
     """The drafter's graphed rollout and extend (emulated on CPU) draft and track exactly what
     the eager drafter does, across cache growth and generations reusing the drafter."""
-    monkeypatch.setattr(graphs, "capture", _EmulatedGraph)
+    emulate_graphs(monkeypatch)
     cfg = tiny_config(1)
     model = random_model(cfg, 1)
     dm = random_drafter(cfg, 1)
@@ -447,7 +424,7 @@ def test_compiled_graphed_drafting_equals_eager(monkeypatch):
     """With a compile mode (its own, or a fused target's) the graphed rollout and extend run
     compiled (specla.fused): the drafts equal the eager drafter's (fp64: compiled rounding
     differs by ~1 ulp, far from any beam decision) and the outputs equal AR's."""
-    monkeypatch.setattr(graphs, "capture", _EmulatedGraph)
+    emulate_graphs(monkeypatch)
     cfg = tiny_config(1)
     model = random_model(cfg, 1)
     dm = random_drafter(cfg, 1)

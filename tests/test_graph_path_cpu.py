@@ -3,19 +3,15 @@ topologies, `valid` counts, one target shared by drafters that capture different
 the Triton kernels' in-capture dispatch (plans built as inside a capture: no host reads of the
 topology, hybrid schedules computed on the device), all under TRITON_INTERPRET=1 in fp32.
 
-A "graph" here records the function at capture and re-runs it at replay, copying the results
-into the tensors the capture returned; that is what a replay does to its static outputs.
+Graphs are emulated (`graph_emulation`): a replay re-runs the captured function into the
+outputs the capture returned.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from contextlib import contextmanager
-
 import pytest
 import torch
 
-import specla.decode as decode_mod
 from specla import ops
 from specla.decode import Decoder
 from specla.drafters.ngram import NgramDrafter
@@ -24,65 +20,7 @@ from specla.ops.gdn import schedule
 
 from conftest import random_model, tiny_config
 from drafters import OracleTreeDrafter
-
-
-def _copy_into(dst, src):
-    if isinstance(dst, torch.Tensor):
-        assert dst.shape == src.shape and dst.dtype == src.dtype, "a replay must keep every output's shape"
-        dst.copy_(src)
-    elif dataclasses.is_dataclass(dst):
-        for f in dataclasses.fields(dst):
-            _copy_into(getattr(dst, f.name), getattr(src, f.name))
-    elif isinstance(dst, (list, tuple)):
-        assert len(dst) == len(src)
-        for a, b in zip(dst, src):
-            _copy_into(a, b)
-    elif isinstance(dst, dict):
-        assert dst.keys() == src.keys()
-        for k in dst:
-            _copy_into(dst[k], src[k])
-    else:
-        assert dst == src or dst is None
-
-
-class _Replay:
-    """A real graph reads the tensors its capture saw: `bound` are (name, object) pairs of the
-    target's mutable references at capture, which must be the same objects at every replay."""
-
-    def __init__(self, fn, out, target, bound):
-        self.fn, self.out, self.target, self.bound = fn, out, target, bound
-
-    def replay(self):
-        for name, obj in self.bound:
-            assert getattr(self.target, name) is obj, f"a replay would read stale {name!r}"
-        with _as_captured():
-            _copy_into(self.out, self.fn())
-
-
-_CAPTURED = [False]
-
-
-@contextmanager
-def _as_captured():
-    _CAPTURED[0] = True
-    try:
-        yield
-    finally:
-        _CAPTURED[0] = False
-
-
-class EmulatedGraphTarget(GraphTarget):
-    def _capture(self, key, fn):
-        saved = self._snapshot()
-        for _ in range(2):  # the warm-up, eager as on the GPU
-            fn()
-        with _as_captured():
-            out = fn()
-        for t, backup in saved:
-            t.copy_(backup)
-        bound = [("records", self.records)] if key[0] == "commit" else []
-        self.graphs[key] = (_Replay(fn, out, self, bound), out)
-        return self.graphs[key]
+from graph_emulation import captured, emulate_graphs
 
 
 @pytest.fixture
@@ -90,7 +28,7 @@ def graph_path(monkeypatch):
     real_plan_for = schedule.plan_for
 
     def plan_for(parents):
-        if not _CAPTURED[0]:
+        if not captured():
             return real_plan_for(parents)
         plan = getattr(parents, "_specla_plan", None)
         if plan is None or plan.version != parents._version or not plan.captured:
@@ -99,7 +37,7 @@ def graph_path(monkeypatch):
         return plan
 
     monkeypatch.setattr(schedule, "plan_for", plan_for)
-    monkeypatch.setattr(decode_mod, "GraphTarget", EmulatedGraphTarget)
+    emulate_graphs(monkeypatch)
     with ops.backend("triton"):
         yield
 
@@ -133,4 +71,4 @@ def test_graph_path_equals_ar(graph_path):
             rows, res, _ = Decoder(model, make(), "tree", graphs=True, delayed=delayed,
                                    targets=targets).run(torch.tensor([prompt]), new)
             assert rows == ar, (make().name, delayed)
-    assert any(isinstance(t, EmulatedGraphTarget) for t in targets.values())
+    assert any(isinstance(t, GraphTarget) for t in targets.values())

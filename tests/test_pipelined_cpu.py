@@ -2,9 +2,9 @@
 
 Greedy decoding on CUDA graphs lets the device settle every round (`acceptance.emit`: what is
 emitted, cut at EOS and at the token budget, and committed) so the host reads round r while
-round r + 1 runs. Here graphs are the CPU stand-ins of the graph-path tests (a replay re-runs
-the captured function into the captured outputs); the loop must emit exactly what the host
-loop emits — tokens, stop reason, per-round statistics — and leave the same state.
+round r + 1 runs. Graphs are emulated (`graph_emulation`); the loop must emit exactly what the
+read-every-round loop emits — tokens, stop reason, per-round statistics — and leave the same
+state.
 """
 
 from __future__ import annotations
@@ -14,23 +14,20 @@ import random
 import pytest
 import torch
 
-import specla.decode as decode_mod
-from specla import acceptance, graphs
+from specla import acceptance
 from specla.api import DEMO_DIR
 from specla.checkpoint import load_model
 from specla.decode import Decoder
 from specla.drafters.eagle import EagleDrafter, find_drafter, load_drafter
 
 from conftest import random_model, tiny_config
-from test_eagle import _EmulatedGraph
+from graph_emulation import emulate_graphs
 from test_exactness import assert_same_state
-from test_graph_path_cpu import EmulatedGraphTarget
 
 
 @pytest.fixture
 def emulated(monkeypatch):
-    monkeypatch.setattr(decode_mod, "GraphTarget", EmulatedGraphTarget)
-    monkeypatch.setattr(graphs, "capture", _EmulatedGraph)
+    emulate_graphs(monkeypatch)
 
 
 def _host_count(toks: list[int], room: int, eos: set[int]) -> int:

@@ -256,7 +256,7 @@ def test_model_rounds_on_triton_match_torch():
 def test_commit_ignores_garbage_past_length(block_v, poison):
     """Factor rows and path entries past `length` are read but must not leak in (NaN, out of
     range ids): the loads no longer wait for the length. block_v 8: rank-1 path; 16: tl.dot."""
-    B, n, H, HV, K, V, P = 2, 6, 1, 2, 16, 16, 5
+    B, n, H, HV, K, V = 2, 6, 1, 2, 16, 16
     g0 = torch.Generator().manual_seed(3)
     _, k, _, g, _, S = inputs(B, n, H, HV, K, V, 3)
     u = torch.randn(B, n, HV, V, generator=g0)
