@@ -465,3 +465,22 @@ def test_mtp_with_two_layers_is_refused(checkpoints, tmp_path):
     (dst / INDEX).write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match="multi-token-prediction"):
         MTPDrafter.from_checkpoint(dst, model)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_mtp_runs_ahead_on_emulated_graphs(checkpoints, kind, monkeypatch):
+    """Hybrid targets on the graph path (emulated on CPU) with the checkpoint's MTP drafter,
+    which drafts from the device root: the run-ahead loop emits AR's tokens and leaves AR's
+    cache (attention KV included)."""
+    from graph_emulation import emulate_graphs
+    from specla.drafters.mtp import MTPDrafter
+
+    emulate_graphs(monkeypatch)
+    path, _ = checkpoints[kind]
+    model = load_model(path, dtype=torch.float64)
+    prompt = prompt_ids(path, 3)
+    ar_rows, _, ar_cache = Decoder(model).run(torch.tensor([prompt]), NEW)
+    dec = Decoder(model, MTPDrafter.from_checkpoint(path, model, length=3), graphs=True)
+    rows, _, cache = dec.run(torch.tensor([prompt]), NEW)
+    assert dec._runs_ahead(next(iter(dec.targets.values()))) and rows == ar_rows
+    assert_same_cache(cache, ar_cache)

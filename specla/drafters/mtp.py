@@ -89,6 +89,7 @@ class MTPDrafter(Drafter):
     """Chains of `length` drafts from the checkpoint's MTP layer, applied recursively."""
 
     name = "mtp"
+    device_root = True
 
     def __init__(self, model_dir, target: Model, length: int = 3, module: MTPModule | None = None,
                  initial_capacity: int = 256):
@@ -143,7 +144,7 @@ class MTPDrafter(Drafter):
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> Draft:
         dev = self.target.device
-        root = torch.tensor([h[-1] for h in ctx.history], dtype=torch.long, device=dev)
+        root = ctx.root if ctx.root is not None else torch.tensor([h[-1] for h in ctx.history], device=dev)
         B = root.shape[0]
         toks = [root]
         if self.pending is not None and self.length > 0:
