@@ -36,7 +36,22 @@ class Round:
     report: torch.Tensor
 
 
+def settle(tokens, parents, valid, logits, hidden, acc, emitted, done, room, eos, next_root):
+    """`acceptance.emit` + `acceptance.report` for a verified round on a target's buffers
+    (emitted, done, next_root updated in place; next_root becomes each row's last emitted
+    token). Returns what `Round` holds, as a tuple (a compiled function returns tensors)."""
+    rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
+    path_tokens = tokens[rows, acc.path]
+    toks, count = acceptance.emit(path_tokens, acc, emitted, done, room, eos)
+    rep = acceptance.report(tokens, parents, valid, logits, acc, toks, count, done)
+    last = toks.gather(1, (count - 1).clamp(min=0)[:, None]).squeeze(1)
+    next_root.copy_(torch.where(count > 0, last, next_root))
+    return path_tokens, {i: h[rows, acc.path] for i, h in hidden.items()}, count, rep
+
+
 class EagerTarget:
+    _settle_fn = staticmethod(settle)
+
     def __init__(self, model: Model, batch: int, max_len: int):
         from specla.fused import maybe_fuse
 
@@ -131,15 +146,8 @@ class EagerTarget:
         return self._settle(root[:, None], torch.full_like(root[:, None], -1), None, logits[:, None], {}, acc).report
 
     def _settle(self, tokens, parents, valid, logits, hidden, acc) -> Round:
-        """`acceptance.emit` + `acceptance.report` on this target's buffers; `next_root`
-        becomes each row's last emitted token."""
-        rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
-        path_tokens = tokens[rows, acc.path]
-        toks, count = acceptance.emit(path_tokens, acc, self.emitted, self.done, self.room, self.eos)
-        rep = acceptance.report(tokens, parents, valid, logits, acc, toks, count, self.done)
-        last = toks.gather(1, (count - 1).clamp(min=0)[:, None]).squeeze(1)
-        self.next_root.copy_(torch.where(count > 0, last, self.next_root))
-        return Round(path_tokens, {i: h[rows, acc.path] for i, h in hidden.items()}, count, rep)
+        return Round(*self._settle_fn(tokens, parents, valid, logits, hidden, acc, self.emitted, self.done,
+                                      self.room, self.eos, self.next_root))
 
 
 class GraphTarget(EagerTarget):
@@ -159,9 +167,10 @@ class GraphTarget(EagerTarget):
         self.length = torch.zeros(batch, dtype=torch.long, device=dev)
         self.graphs: dict = {}
         self.records, self.verify_key = None, None
-        # greedy acceptance walks the nodes one by one (~8 small ops per node); beside a fused
-        # model it is compiled too: a couple of kernels in the verify graph
+        # greedy acceptance walks the nodes one by one (~8 small ops per node) and settling a
+        # round is ~40 more; beside a fused model both are compiled: a few kernels per graph
         self._accept, _ = fused.compile_for_graph(acceptance.greedy, fused.mode_of(model))
+        self._settle_fn, _ = fused.compile_for_graph(settle, fused.mode_of(model))
         if self.delayed:  # pending buffers exist from the start so the verify graph reads them
             self._make_pending()
 

@@ -295,3 +295,33 @@ def test_compiled_greedy_acceptance_equals_eager():
         assert torch.equal(want.path, got.path) and torch.equal(want.length, got.length)
         assert torch.equal(want.bonus, got.bonus)
     assert int(want.length.max()) > 2  # the planted matches made real paths
+
+
+@needs_cxx
+def test_compiled_settle_equals_eager():
+    """`GraphTarget` compiles a round's settling beside a fused model: the same path tokens,
+    hidden states, counts, report and buffer updates as eager, with EOS hits, budgets running
+    out and rows already done."""
+    from specla import acceptance, fused
+    from specla.engine import settle
+
+    compiled_settle, _ = fused.compile_for_graph(settle, "default")
+    g = torch.Generator().manual_seed(1)
+    B, n, V, D = 3, 7, 12, 4
+    for _ in range(4):
+        parents = torch.tensor([[-1] + [int(torch.randint(0, j, (1,), generator=g)) for j in range(1, n)]
+                                for _ in range(B)])
+        logits = torch.randn(B, n, V, generator=g)
+        tokens = torch.where(torch.rand(B, n, generator=g) < 0.7, logits.argmax(-1).gather(1, parents.clamp(min=0)),
+                             torch.randint(0, V, (B, n), generator=g))
+        valid = torch.randint(1, n + 1, (B,), generator=g)
+        acc = acceptance.greedy(tokens, parents, logits, valid)
+        hidden = {2: torch.randn(B, n, D, generator=g)}
+        bufs = [torch.randint(0, 5, (B,), generator=g), torch.tensor([False, True, False]),
+                torch.randint(5, 9, (B,), generator=g), torch.tensor([3, 7, -1, -1]), torch.randint(0, V, (B,), generator=g)]
+        a_bufs, b_bufs = [t.clone() for t in bufs], [t.clone() for t in bufs]
+        want = settle(tokens, parents, valid, logits, hidden, acc, *a_bufs)
+        got = compiled_settle(tokens, parents, valid, logits, hidden, acc, *b_bufs)
+        for x, y in zip([want[0], want[2], want[3], *a_bufs], [got[0], got[2], got[3], *b_bufs]):
+            assert torch.equal(x, y)
+        assert torch.equal(want[1][2], got[1][2])
