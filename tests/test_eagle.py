@@ -455,3 +455,18 @@ def test_drafter_graphs_follow_the_target_fusion():
         assert fused.mode_of(model) == "default" and d._graph_fns()[2] is fused.refusing_compiles
     finally:
         model.fuse(False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 5), st.integers(1, 40), st.integers(1, 4), st.integers(0, 10**6))
+def test_top_k_is_topk_with_lowest_ids_first_on_ties(B, nb, V, k, seed):
+    """`tree.top_k` = torch.topk's values, best first; among equal values (ties are frequent
+    here: few distinct values) the lowest index first, also at the cut."""
+    k = min(k, V)
+    x = torch.randint(0, 4, (B, nb, V), generator=torch.Generator().manual_seed(seed)).float()
+    vals, idx = tree.top_k(x, k)
+    assert torch.equal(vals, x.topk(k, dim=-1).values)
+    assert torch.equal(x.gather(-1, idx), vals)
+    # the lowest ids among equal values: rank by (-value, index)
+    order = torch.argsort(-x * (V + 1) + torch.arange(V), dim=-1, stable=True)[..., :k]
+    assert torch.equal(idx, order)
