@@ -187,7 +187,7 @@ class SpecLA:
         return MTPDrafter.from_checkpoint(self.model_dir, self.model, length=chain_length)
 
     # generation -----------------------------------------------------------------------------
-    def generate(self, prompt, route: str = "tree", max_new_tokens: int = 128, temperature: float = 0.0,
+    def generate(self, prompt, route: str = "chain", max_new_tokens: int = 128, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, chat: bool | None = None, chain_length: int = 8,
                  tree_topk: int = 4, tree_budget: int = 16, tree_depth: int = 8, tree_tau: float | None = None,
                  drafter: str = "auto", delayed: bool = True, on_text=None, pipeline: bool = True) -> Generation:

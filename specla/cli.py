@@ -25,7 +25,9 @@ app.add_typer(data_app, name="data")
 def generate(
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text (wrapped in the chat template unless --raw)."),
     model: Optional[Path] = typer.Option(None, "--model", "-m", help="Checkpoint directory (default: the demo model)."),
-    route: str = typer.Option("tree", help="ar | chain | tree | fla (FLA-SD baseline) | mtp | dspark | ready"),
+    route: str = typer.Option("chain", help="ar | chain | tree | fla (FLA-SD baseline) | mtp | dspark | ready. "
+                              "chain is the default: the fastest route of the demo pair on the H200 and on CPU "
+                              "(BENCHMARKS.md)."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     top_p: float = typer.Option(1.0, "--top-p"),
