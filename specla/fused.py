@@ -126,10 +126,31 @@ def _refuse_compiles():
 
 
 @contextlib.contextmanager
-def refusing_compiles():
-    """Entered lazily (`_refuse_compiles()` sets the stance as soon as it is called)."""
-    with _refuse_compiles():
-        yield
+def no_compiles():
+    """Around a CUDA graph capture of compiled code: nothing may compile in it.
+
+    The warm-up before a capture compiles everything the capture runs; a cache miss under
+    capture (a guard failing on a new shape, dtype or option) would compile — and autotune,
+    and run the new graph — inside the capture, which either fails obscurely or records a
+    graph nobody checked. So dynamo is told to refuse any compile (stance
+    `fail_on_recompile`), and a compile counter is compared around the capture as a second
+    check; either turns into a RuntimeError naming the cause."""
+    before = _compile_count()
+    try:
+        with _refuse_compiles():
+            yield
+    except Exception as e:
+        if "fail_on_recompile" in str(e) or "recompile" in type(e).__name__.lower():
+            raise RuntimeError(
+                "specla.fused: a compiled region needed a (re)compile during CUDA graph capture "
+                "(the warm-up did not cover this call: new shape, dtype or guard). The graph is "
+                "discarded; run without SPECLA_COMPILE or report this. Cause: "
+                f"{(str(e).splitlines() or [''])[0][:300]}") from e
+        raise
+    after = _compile_count()
+    if after != before:
+        raise RuntimeError(f"specla.fused: {after - before} graph(s) compiled during CUDA graph capture; "
+                           "the captured graph is not trusted (run without SPECLA_COMPILE)")
 
 
 def mode_of(model) -> str | None:
@@ -149,7 +170,7 @@ def compile_for_graph(fn, mode: str | None):
     if mode is None:
         return fn, contextlib.nullcontext
     _raise_recompile_limit()
-    return torch.compile(fn, dynamic=False, fullgraph=True, options=_options(mode)), refusing_compiles
+    return torch.compile(fn, dynamic=False, fullgraph=True, options=_options(mode)), no_compiles
 
 
 # ---- pure functions of a layer's tensors (compiled) ------------------------------------------
@@ -390,33 +411,9 @@ class FusedModel:
 
     @contextlib.contextmanager
     def capturing(self):
-        """Around a CUDA graph capture (`GraphTarget`): nothing may compile in it.
-
-        The warm-up runs before a capture compile every region; a cache miss under capture
-        (a guard failing on a new shape, dtype or option) would compile — and autotune, and
-        run the new graph — inside the capture, which either fails obscurely or records a
-        graph nobody checked. So dynamo is told to refuse any compile (stance
-        `fail_on_recompile`), and a compile counter is compared around the capture as a
-        second check; either turns into a RuntimeError naming the cause."""
-        if not self.compile:
+        """Around a CUDA graph capture (`GraphTarget`): `no_compiles` when the regions compile."""
+        with no_compiles() if self.compile else contextlib.nullcontext():
             yield
-            return
-        before = _compile_count()
-        try:
-            with _refuse_compiles():
-                yield
-        except Exception as e:
-            if "fail_on_recompile" in str(e) or "recompile" in type(e).__name__.lower():
-                raise RuntimeError(
-                    "specla.fused: a compiled region needed a (re)compile during CUDA graph capture "
-                    "(the warm-up did not cover this call: new shape, dtype or guard). The graph is "
-                    "discarded; run without SPECLA_COMPILE or report this. Cause: "
-                    f"{(str(e).splitlines() or [''])[0][:300]}") from e
-            raise
-        after = _compile_count()
-        if after != before:
-            raise RuntimeError(f"specla.fused: {after - before} graph(s) compiled during CUDA graph capture; "
-                               "the captured graph is not trusted (run without SPECLA_COMPILE)")
 
     def takes(self, tokens: torch.Tensor, verify: bool) -> bool:
         """Whether this call goes through the fused path: AR steps (T = 1) and verifies of at

@@ -452,7 +452,7 @@ def test_drafter_graphs_follow_the_target_fusion():
     assert fused.mode_of(model) is None and d._graph_fns()[2] is contextlib.nullcontext
     model.fuse()  # builds the regions; nothing compiles until a call
     try:
-        assert fused.mode_of(model) == "default" and d._graph_fns()[2] is fused.refusing_compiles
+        assert fused.mode_of(model) == "default" and d._graph_fns()[2] is fused.no_compiles
     finally:
         model.fuse(False)
 
