@@ -136,15 +136,16 @@ def report(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor | No
            acc: Acceptance, toks: torch.Tensor, count: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
     """Everything the host reads of a round, in one [B, REPORT_HEAD + W] tensor (one copy):
     count, path length, the root's first child's token (-1 if none: drafters put their best
-    child first), the target's greedy token at the root, real draft nodes, done; then the
-    emitted tokens."""
+    child first), the target's greedy token at the root (-1 without drafts), real draft
+    nodes, done; then the emitted tokens."""
     B, n = tokens.shape
-    first = torch.full_like(count, -1)
+    first = top = torch.full_like(count, -1)  # no draft (an AR step): no match to report
     if n > 1:
         real = parents[:, 1] == 0
         if valid is not None:
             real = real & (valid > 1)
         first = torch.where(real, tokens[:, 1], first)
+        top = logits[:, 0].argmax(-1)
     drafted = (valid if valid is not None else torch.full_like(count, n)) - 1
-    head = [count, acc.length, first, logits[:, 0].argmax(-1), drafted, done.long()]
+    head = [count, acc.length, first, top, drafted, done.long()]
     return torch.cat([torch.stack(head, 1), toks], 1)
