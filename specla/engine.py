@@ -172,26 +172,7 @@ class GraphTarget(EagerTarget):
         self._accept, _ = fused.compile_for_graph(acceptance.greedy, fused.mode_of(model))
         self._settle_fn, _ = fused.compile_for_graph(settle, fused.mode_of(model))
         if self.delayed:  # pending buffers exist from the start so the verify graph reads them
-            self._make_pending()
-
-    def _make_pending(self) -> None:
-        """Pending buffers for every GDN layer, stacked in one `PendingBank` (the commit graph
-        stores an accepted path for all layers in a few kernels); per layer if shapes differ."""
-        B, N = self.tokens.shape
-        H, K = self.model.cfg.num_heads, self.model.cfg.head_dim
-        gdn = [st for st in self.cache.layers if isinstance(st, GDNLayerState)]
-        if not gdn:
-            return
-        shapes = {(st.S.shape[1], st.S.shape[3], st.S.dtype, st.S.device) for st in gdn}
-        if len(shapes) == 1:
-            HV, V, dt, _ = shapes.pop()
-            self.cache.make_bank(None, B, N, shapes=((H, K), (HV,), (HV, V), dt))
-            return
-        for st in gdn:
-            HV, V = st.S.shape[1], st.S.shape[3]
-            z = lambda *s: torch.zeros(*s, device=st.S.device, dtype=st.S.dtype)  # noqa: E731
-            st.pending = (z(B, N, H, K), z(B, N, HV), z(B, N, HV, V),
-                          torch.zeros(B, dtype=torch.long, device=st.S.device))
+            self.cache.reserve_pending(batch, budget, (model.cfg.num_heads, model.cfg.head_dim))
 
     def _snapshot(self):
         keep = []
@@ -265,7 +246,6 @@ class GraphTarget(EagerTarget):
         graph, _ = self.graphs.get(key) or self._capture(
             key, lambda: self.cache.commit(records, self.path, self.length, self.delayed))
         graph.replay()
-
 
     def round(self, tokens, parents, capture=(), valid=None, probs=None, temperature=0.0, top_p=1.0,
               generator=None, delayed=True):

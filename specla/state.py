@@ -162,6 +162,22 @@ class Cache:
                                 self.layers[idx[0]].S.device)
         return self.bank
 
+    def reserve_pending(self, batch: int, nodes: int, key_shape: tuple[int, int]) -> None:
+        """Pending buffers for every GDN layer before the first delayed commit (a CUDA graph must
+        read the same buffers from its capture on): one bank when the layers' shapes agree,
+        zeroed buffers per layer otherwise. key_shape: (H, K) of the keys."""
+        gdn = [s for s in self.layers if isinstance(s, GDNLayerState)]
+        shapes = {(s.S.shape[1], s.S.shape[3], s.S.dtype) for s in gdn}
+        if len(shapes) == 1:
+            HV, V, dt = shapes.pop()
+            self.make_bank(None, batch, nodes, shapes=(key_shape, (HV,), (HV, V), dt))
+            return
+        for s in gdn:
+            z = lambda *shape: torch.zeros(*shape, device=s.S.device, dtype=s.S.dtype)  # noqa: E731
+            HV, V = s.S.shape[1], s.S.shape[3]
+            s.pending = (z(batch, nodes, *key_shape), z(batch, nodes, HV), z(batch, nodes, HV, V),
+                         torch.zeros(batch, dtype=torch.long, device=s.S.device))
+
     @property
     def batch(self) -> int:
         return int(self.length.shape[0])
