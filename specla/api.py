@@ -19,7 +19,7 @@ from typing import Iterator, Sequence
 import torch
 
 from specla.checkpoint import load_model
-from specla.decode import Decoder, GenerationResult, Sampling
+from specla.decode import EXACT_WIDTH, Decoder, GenerationResult, Sampling
 from specla.drafters.base import Drafter
 from specla.drafters.ngram import NgramDrafter
 from specla.errors import CheckpointError, InputError
@@ -190,7 +190,11 @@ class SpecLA:
     def generate(self, prompt, route: str = "chain", max_new_tokens: int = 128, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, chat: bool | None = None, chain_length: int = 8,
                  tree_topk: int = 4, tree_budget: int = 16, tree_depth: int = 8, tree_tau: float | None = None,
-                 drafter: str = "auto", delayed: bool = True, on_text=None, pipeline: bool = True) -> Generation:
+                 drafter: str = "auto", delayed: bool = True, on_text=None, pipeline: bool = True,
+                 exact: bool = False) -> Generation:
+        """`exact`: every target call verifies the same number of nodes (`decode.EXACT_WIDTH`;
+        AR steps too), so every route's output is bit-identical to exact-mode `ar` in any
+        precision, at the cost of a slower AR step (docs/exact.md)."""
         ids = self.encode_prompt(prompt, chat)
         key = (route, chain_length, tree_topk, tree_budget, tree_depth, tree_tau, drafter)
         if key not in self._drafters:
@@ -198,7 +202,8 @@ class SpecLA:
         decoder = Decoder(self.model, self._drafters[key], route, targets=self._targets,
                           sampling=Sampling(temperature, top_p, seed), delayed=delayed, pipeline=pipeline,
                           eos_token_ids=self.tokenizer.eos_token_ids | set(self.model.cfg.eos_token_id),
-                          executor="fla" if route == "fla" else "specla")
+                          executor="fla" if route == "fla" else "specla",
+                          exact_width=EXACT_WIDTH if exact else None)
         stream = TextStream(self.tokenizer)
         res: GenerationResult = decoder.generate(
             ids, max_new_tokens, on_tokens=(lambda t: on_text(stream.push(t))) if on_text else None)

@@ -44,6 +44,9 @@ def generate(
     drafter: str = typer.Option("auto", help="auto (the checkpoint's trained drafter, else ngram) | eagle | ngram"),
     immediate_commit: bool = typer.Option(False, "--immediate-commit", help="Commit states right after each round "
                                           "instead of folding the update into the next verify."),
+    exact: bool = typer.Option(False, "--exact", help="Exact mode: every target call (AR steps too) verifies "
+                               "17 nodes, so every route's output is bit-identical to `--route ar --exact` in "
+                               "bf16 too (docs/exact.md). AR gets slower; drafted routes barely change."),
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     compile: Optional[str] = typer.Option(None, "--compile", help="default | max-autotune: the fused decode path "
@@ -61,7 +64,7 @@ def generate(
     kwargs = dict(route=route, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                   chat=False if raw else None, chain_length=chain_length, tree_topk=tree_topk,
                   tree_budget=tree_budget, tree_depth=tree_depth, tree_tau=tree_tau, drafter=drafter,
-                  delayed=not immediate_commit)
+                  delayed=not immediate_commit, exact=exact)
     if as_json:
         typer.echo(json.dumps(lm.generate(prompt, **kwargs).to_dict()))
         return
@@ -185,13 +188,14 @@ def bench_agreement(
     compile: Optional[str] = typer.Option(None, "--compile", help="Fuse the target: default | max-autotune "
                                           "(SPECLA_COMPILE=1 does the same)."),
     quick: bool = typer.Option(False, help="2 runs of 16 tokens (smoke test; on CPU use --shape tiny)."),
+    exact: bool = typer.Option(True, "--exact/--no-exact", help="Also run AR and both routes in exact mode."),
     out: Path = typer.Option(Path("benchmarks/results")),
 ):
     """How often bf16 chain/tree outputs equal AR's; first divergence and AR's logit margin there."""
     from specla.bench.agreement import run
 
     run(shape=shape, runs=runs, new_tokens=new_tokens, prompt_len=prompt_len, noise=noise, device=device,
-        quick=quick, compile=compile, out_dir=out)
+        quick=quick, compile=compile, exact=exact, out_dir=out)
 
 
 DRAFTER_KINDS = ("eagle", "dspark", "ready", "dspark-ft")

@@ -1,7 +1,7 @@
 """The decode loop: prefill, then rounds of draft -> verify -> accept -> commit (DESIGN §2-5).
 
 Without a drafter (route `ar`) one token is consumed per step through the plain sequence
-path; with one, each round verifies the drafter's topology and commits the accepted path
+path (in exact mode, through the same verify as every other route); with one, each round verifies the drafter's topology and commits the accepted path
 from factor records (delayed by default: the GDN update is folded into the next verify).
 What a round emits (EOS, token budget) is settled on the device (`acceptance.emit`); the
 host reads one small report per round — on CUDA graphs one round late, while the next
@@ -24,6 +24,9 @@ from specla.drafters.base import DraftContext, Drafter
 from specla.engine import EagerTarget, FlaTarget, GraphTarget
 from specla.errors import InputError
 from specla.model import Model
+
+# Exact mode's verify width: the default routes' largest draft (a 16-node tree) plus the root.
+EXACT_WIDTH = 17
 
 @dataclass
 class Sampling:
@@ -111,7 +114,7 @@ class Decoder:
                  sampling: Sampling | None = None, delayed: bool = True,
                  eos_token_ids: tuple[int, ...] | set[int] = (), max_context: int | None = None,
                  prefill_chunk: int = 2048, graphs: bool | None = None, executor: str = "specla",
-                 targets: dict | None = None, pipeline: bool = True):
+                 targets: dict | None = None, pipeline: bool = True, exact_width: int | None = None):
         self.model = model
         self.route = route or (drafter.name if drafter is not None else "ar")
         self.drafter = drafter
@@ -131,6 +134,16 @@ class Decoder:
         # graphed greedy decoding runs rounds ahead of the host (`_runs_ahead`); False: one host
         # read between rounds (the loop every other case takes)
         self.pipeline = pipeline
+        # exact mode: every target call (AR steps too) verifies `exact_width` nodes, so each
+        # position is computed by the same arithmetic on every route (docs/exact.md)
+        self.exact_width = exact_width
+        if exact_width is not None:
+            need = drafter.max_nodes if drafter is not None else 1
+            if need > exact_width:
+                raise InputError(f"route {self.route!r} drafts up to {need - 1} nodes, more than exact mode's "
+                                 f"verify width of {exact_width} (root included) allows")
+            if executor == "fla":
+                raise InputError("exact mode runs on specla's own verify; the fla baseline has none")
 
     # input checks ----------------------------------------------------------------------------
     def _check(self, prompts: torch.Tensor, max_new_tokens: int) -> None:
@@ -242,8 +255,9 @@ class Decoder:
     def _target(self, batch: int, max_len: int):
         if self.executor == "fla":
             return FlaTarget(self.model, batch, max_len)
-        budget = self.drafter.max_nodes if self.drafter is not None else 1
-        key = ("graph", batch, budget, self.delayed) if self.graphs else ("eager", batch)
+        exact = self.exact_width is not None
+        budget = self.exact_width or (self.drafter.max_nodes if self.drafter is not None else 1)
+        key = ("graph", batch, budget, self.delayed, exact) if self.graphs else ("eager", batch, self.exact_width)
         target = self.targets.get(key)
         if target is not None and target.max_len >= max_len:
             target.reset()
@@ -251,7 +265,7 @@ class Decoder:
         # room in steps of 1024 positions: a slightly longer prompt reuses the target (and its
         # graphs) instead of building and capturing a new one
         max_len = -(-max_len // 1024) * 1024
-        target = (GraphTarget(self.model, batch, max_len, budget, self.delayed) if self.graphs
-                  else EagerTarget(self.model, batch, max_len))
+        target = (GraphTarget(self.model, batch, max_len, budget, self.delayed, exact) if self.graphs
+                  else EagerTarget(self.model, batch, max_len, self.exact_width))
         self.targets[key] = target
         return target

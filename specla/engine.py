@@ -2,7 +2,10 @@
 
 The decode loop needs prefill and rounds: `round` (verify a draft, accept, settle what is
 emitted on the device, commit exactly that, report) and `ar_round` (one AR step, settled
-the same way). `EagerTarget` runs them as plain PyTorch on any device. `GraphTarget` (CUDA)
+the same way). `EagerTarget` runs them as plain PyTorch on any device. With a `width` (exact mode) every
+verify is padded to that many nodes and an AR step is a verify of the root alone, so every
+position is computed by the same arithmetic whatever the route: the output is bit-identical
+to this AR in any precision (`docs/exact.md`). `GraphTarget` (CUDA)
 captures them over static buffers: the cache is allocated once and updated in place,
 topologies are padded to a fixed node budget, and a greedy round is one graph replay that
 needs nothing from the host, so the loop can queue the next round before reading this one
@@ -49,15 +52,31 @@ def settle(tokens, parents, valid, logits, hidden, acc, emitted, done, room, eos
     return path_tokens, {i: h[rows, acc.path] for i, h in hidden.items()}, count, rep
 
 
+def pad_draft(tokens, parents, valid, width: int):
+    """A draft [B, n] padded to `width` nodes with a chain under its last node, and its real
+    node count [B] (acceptance ignores the padding)."""
+    B, n = tokens.shape
+    if n > width:
+        raise ValueError(f"draft of {n} nodes exceeds the verify width of {width}")
+    if valid is None:
+        valid = torch.full((B,), n, dtype=torch.long, device=tokens.device)
+    if n == width:
+        return tokens, parents, valid
+    chain = torch.arange(n - 1, width - 1, device=tokens.device).expand(B, -1)
+    return (torch.cat([tokens, tokens[:, -1:].expand(-1, width - n)], 1),
+            torch.cat([parents, chain.to(parents.dtype)], 1), valid)
+
+
 class EagerTarget:
     _settle_fn = staticmethod(settle)
 
-    def __init__(self, model: Model, batch: int, max_len: int):
+    def __init__(self, model: Model, batch: int, max_len: int, width: int | None = None):
         from specla.fused import maybe_fuse
 
         maybe_fuse(model)  # SPECLA_COMPILE=1: the fused decode path (specla.fused)
         self.model = model
         self.max_len = max_len
+        self.width = width  # exact mode: every target call verifies this many nodes
         self.cache: Cache = model.new_cache(batch, max_len=max_len)
         self._emission(batch, model.device)
 
@@ -120,6 +139,8 @@ class EagerTarget:
               generator=None, delayed=True):
         """One speculative round from `next_root`'s draft: verify, accept (greedy, or lossless
         sampling with the draft's `probs`), settle what is emitted and commit exactly that."""
+        if self.width is not None:
+            tokens, parents, valid = pad_draft(tokens, parents, valid, self.width)
         out, acc = self.verify(tokens, parents, capture, temperature == 0, valid)
         if acc is None:
             acc = acceptance.sample(tokens, parents, out.logits, probs, temperature, top_p, generator, valid)
@@ -129,7 +150,12 @@ class EagerTarget:
 
     def ar_round(self, temperature=0.0, top_p=1.0, generator=None) -> torch.Tensor:
         """One AR step from `next_root`: its token drawn (argmax, or sampled) and settled; the
-        report. Rows already done still consume a token: their state is never read again."""
+        report. Rows already done still consume a token: their state is never read again.
+        Exact mode: a round on the root alone, through the verify every route runs."""
+        if self.width is not None:
+            root = self.next_root[:, None].clone()
+            return self.round(root, torch.full_like(root, -1), temperature=temperature, top_p=top_p,
+                              generator=generator).report
         return self._ar_settle(self.step(self.next_root), None if temperature == 0 else (temperature, top_p, generator))
 
     def _ar_settle(self, logits: torch.Tensor, sampling) -> torch.Tensor:
@@ -151,10 +177,11 @@ class EagerTarget:
 
 
 class GraphTarget(EagerTarget):
-    """CUDA graphs over a static cache; topologies padded to `budget` nodes (root included)."""
+    """CUDA graphs over a static cache; topologies padded to `budget` nodes (root included).
+    `exact`: AR steps verify the root at that width too (exact mode)."""
 
-    def __init__(self, model: Model, batch: int, max_len: int, budget: int, delayed: bool):
-        super().__init__(model, batch, max_len)
+    def __init__(self, model: Model, batch: int, max_len: int, budget: int, delayed: bool, exact: bool = False):
+        super().__init__(model, batch, max_len, width=budget if exact else None)
         dev = model.device
         # a one-node budget never accepts a draft: commit at once, so AR steps have no
         # (empty) pending update to flush in every layer
@@ -206,16 +233,9 @@ class GraphTarget(EagerTarget):
         return out
 
     def _stage(self, tokens, parents, valid) -> None:
-        """Copy a draft into the static buffers, padded with a chain under its last node
-        (acceptance ignores nodes past `valid`)."""
-        n = tokens.shape[1]
-        if n > self.budget:
-            raise ValueError(f"draft of {n} nodes exceeds the graph budget of {self.budget}")
-        self.tokens[:, :n].copy_(tokens)
-        self.tokens[:, n:].copy_(tokens[:, -1:].expand(-1, self.budget - n))
-        self.parents[:, :n].copy_(parents)
-        self.parents[:, n:].copy_(torch.arange(n - 1, self.budget - 1, device=tokens.device))
-        self.valid.copy_(valid if valid is not None else torch.full_like(self.valid, n))
+        """Copy a draft into the static buffers, padded to the budget (`pad_draft`)."""
+        for buf, t in zip((self.tokens, self.parents, self.valid), pad_draft(tokens, parents, valid, self.budget)):
+            buf.copy_(t)
 
     def verify(self, tokens, parents, capture=(), greedy=True, valid=None):
         if not greedy:  # sampling draws random numbers: run eagerly on the same buffers
@@ -269,8 +289,8 @@ class GraphTarget(EagerTarget):
 
     def ar_round(self, temperature=0.0, top_p=1.0, generator=None) -> torch.Tensor:
         """Greedy: the step and its settling in one graph. Sampling: the step's graph, then an
-        eager draw."""
-        if temperature != 0:
+        eager draw. Exact mode: a round (`EagerTarget.ar_round`)."""
+        if temperature != 0 or self.width is not None:
             return super().ar_round(temperature, top_p, generator)
         graph, rep = self.graphs.get("ar_round") or self._capture("ar_round", lambda: self._ar_settle(
             self.model.forward(self.next_root[:, None], self.cache).logits[:, -1], None))
@@ -307,6 +327,7 @@ class FlaTarget(EagerTarget):
         self.fla.eval()
         self.pkv = None
         self.tokens = None
+        self.width = None  # no exact mode: fla's kernels are not ours
         self._emission(batch, model.device)
 
     @torch.no_grad()

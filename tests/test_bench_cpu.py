@@ -43,10 +43,12 @@ def test_agreement_quick_cpu(tmp_path):
     res = agreement.run(shape="tiny", device="cpu", quick=True, out_dir=tmp_path)
     data = json.loads((tmp_path / "agreement.json").read_text())
     assert data["ar_loop_equals_decoder_ar"] is True
-    assert set(data["summary"]) == {"chain", "tree"}
+    assert set(data["summary"]) == {"chain", "tree", "chain+exact", "tree+exact"}
     for s in data["summary"].values():
         assert s["runs"] == 2 and 0 <= s["equal"] <= 2
         assert s["mean_tau"] > 1.5  # the noisy oracle gets drafts accepted on random weights
+    # (bitwise agreement on CPU needs torch's portable kernels: tests/test_exact_mode.py)
+    assert data["exact_width"] == 17 and data["ar_exact_equals_ar"] in (0, 1, 2)
     assert len(data["per_run"]) == 2 and res["summary"] == data["summary"]
 
 
@@ -66,6 +68,8 @@ def test_agreement_reports_divergence(tmp_path, monkeypatch):
         assert res["summary"][route]["equal"] == 0
         for row in res["per_run"]:
             assert row[route]["first_divergence"] == 3 and row[route]["margin"] is not None
+    for row in res["per_run"]:  # exact mode compares with its own AR, which the patch did not touch
+        assert row["ar+exact"]["first_divergence"] == 3
 
 
 def test_noisy_oracle_main_line():
@@ -96,7 +100,8 @@ def test_e2e_shards_resume_and_summary(tmp_path):
     from specla.bench import e2e
     from specla.data.suites import load_suite
 
-    kw = dict(suites=("gsm8k", "humaneval"), routes=("ar", "chain", "ngram"), limit=3, max_new_tokens=6,
+    kw = dict(suites=("gsm8k", "humaneval"), routes=("ar", "chain", "ngram", "ar+exact", "chain+exact"), limit=3,
+              max_new_tokens=6,
               device="cpu", dtype="float32", out_dir=tmp_path)
     e2e.run(**kw, shard=(0, 2), max_minutes=0.0)  # stops before its first generation
     assert (tmp_path / "e2e.records.0of2.jsonl").read_text() == ""
@@ -110,13 +115,14 @@ def test_e2e_shards_resume_and_summary(tmp_path):
         for route in ("ar", "chain", "ngram"):  # the keys the drafter issue asks for, every row
             assert {"speedup", "mean_accepted_length", "first_token_match", "exact_match_rate",
                     "prompts"} <= set(data["suites"][suite][route])
-        for route in ("chain", "ngram"):
+        for route in ("chain", "ngram", "ar+exact", "chain+exact"):
             s = res["suites"][suite][route]
             assert s["prompts"] == 3 and s["exact_match_rate"] == 1.0 and s["mean_accepted_length"] >= 1
+            assert s["exact_reference"] == ("ar+exact" if route == "chain+exact" else "ar")
             lo, hi = s["speedup_ci95"]
             assert lo <= s["speedup"] <= hi
     lines = [json.loads(x) for f in sorted(tmp_path.glob("e2e.records.*.jsonl")) for x in f.read_text().splitlines()]
-    assert len(lines) == 2 * 3 * 3  # suites x prompts x routes, each once
+    assert len(lines) == 2 * 3 * 5  # suites x prompts x routes, each once
     assert {r["id"] for r in lines if r["suite"] == "gsm8k"} == {p.id for p in load_suite("gsm8k", limit=3)}
 
 

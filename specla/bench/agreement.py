@@ -21,7 +21,11 @@ verifier); both through `Decoder` (CUDA graphs on the GPU, delayed commit).
 
 AR runs its own loop on the same `GraphTarget` step the `ar` route replays (argmax of the
 step's logits), so the margins come from the very logits that chose AR's tokens; run 0 also
-checks the loop against `Decoder`'s `ar` route. Writes `agreement.json`.
+checks the loop against `Decoder`'s `ar` route.
+
+Exact mode (`docs/exact.md`, on by default here): AR and both routes run again with every
+target call verifying `EXACT_WIDTH` nodes; `chain+exact` and `tree+exact` are compared with
+exact-mode AR, which should make every run equal. Writes `agreement.json`.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import torch
 
 from specla.bench.common import RESULTS, write_results
 from specla.bench.trees import beam_tree
-from specla.decode import Decoder
+from specla.decode import EXACT_WIDTH, Decoder
 from specla.drafters.base import Draft, DraftContext, Drafter
 from specla.engine import EagerTarget, GraphTarget
 from specla.shapes import random_model
@@ -118,9 +122,10 @@ def _quantiles(xs: list[float]) -> dict:
 def run(shape: str = "gdn-1.3b-paper", runs: int = 50, new_tokens: int = 128, prompt_len: int = 64,
         device: str = "cuda", dtype: torch.dtype | None = None, noise: float = 0.2, chain_length: int = 8,
         tree: tuple[int, int, int] = (4, 4, 16), quick: bool = False, compile: str | None = None,
-        seed: int = 0, out_dir=RESULTS) -> dict:
+        seed: int = 0, exact: bool = True, out_dir=RESULTS) -> dict:
     """`compile` ('default' / 'max-autotune') fuses the target (`Model.fuse`), as does
-    SPECLA_COMPILE; the fused path then serves AR and both routes."""
+    SPECLA_COMPILE; the fused path then serves AR and both routes. `exact`: also run AR and
+    both routes in exact mode (`chain+exact`, `tree+exact`, compared with exact-mode AR)."""
     dev = torch.device(device)
     graphs = dev.type == "cuda"
     dtype = dtype or torch.bfloat16
@@ -147,18 +152,27 @@ def run(shape: str = "gdn-1.3b-paper", runs: int = 50, new_tokens: int = 128, pr
         if r == 0:
             ar_loop_ok = Decoder(model, graphs=graphs, targets=targets).generate(prompt, new_tokens).tokens == ar
         row = {"run": r}
-        for route, drafter in drafters.items():
-            drafter.set_reference(prompt + ar)
-            res = Decoder(model, drafter, route=route, graphs=graphs, targets=targets).generate(prompt, new_tokens)
-            i = first_divergence(ar, res.tokens)
-            row[route] = {"equal": i is None, "first_divergence": i,
-                          "margin": margins[i] if i is not None and i < len(margins) else None,
-                          "tau": res.mean_accepted_length, "rounds": len(res.rounds)}
+        refs = [("", None, ar)]
+        if exact:  # the exact-mode reference: AR through the 17-node verify
+            ar_x = Decoder(model, graphs=graphs, targets=targets, exact_width=EXACT_WIDTH).generate(
+                prompt, new_tokens).tokens
+            row["ar+exact"] = {"equal": ar_x == ar, "first_divergence": first_divergence(ar, ar_x)}
+            refs.append(("+exact", EXACT_WIDTH, ar_x))
+        for suffix, width, ref in refs:
+            for route, drafter in drafters.items():
+                drafter.set_reference(prompt + ref)
+                res = Decoder(model, drafter, route=route, graphs=graphs, targets=targets,
+                              exact_width=width).generate(prompt, new_tokens)
+                i = first_divergence(ref, res.tokens)
+                row[route + suffix] = {"equal": i is None, "first_divergence": i,
+                                       "margin": margins[i] if width is None and i is not None and i < len(margins)
+                                       else None, "tau": res.mean_accepted_length, "rounds": len(res.rounds)}
         per_run.append(row)
-        print(f"run {r}: " + ", ".join(f"{k} {_describe(row[k])}" for k in drafters), flush=True)
+        names = [k for k in row if k not in ("run", "ar+exact")]
+        print(f"run {r}: " + ", ".join(f"{k} {_describe(row[k])}" for k in names), flush=True)
 
     summary = {}
-    for route in drafters:
+    for route in [k for k in per_run[0] if k not in ("run", "ar+exact")]:
         rows = [row[route] for row in per_run]
         div = [x for x in rows if not x["equal"]]
         summary[route] = {
@@ -176,6 +190,8 @@ def run(shape: str = "gdn-1.3b-paper", runs: int = 50, new_tokens: int = 128, pr
                    f"by a random one with probability {noise}; other nodes random",
         "chain_length": chain_length, "tree": {"topk": tree[0], "depth": tree[1], "nodes": tree[2]},
         "ar_loop_equals_decoder_ar": ar_loop_ok,
+        "exact_width": EXACT_WIDTH if exact else None,
+        "ar_exact_equals_ar": (sum(row["ar+exact"]["equal"] for row in per_run) if exact else None),
         "ar_margin_all_steps": _quantiles(all_margins),
         "summary": summary, "per_run": per_run,
     }

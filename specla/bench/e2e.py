@@ -6,7 +6,9 @@ trained drafter); `ngram` (prompt lookup, trees). Per suite (`mixed` 480, `gsm8k
 `humaneval` 164) each prompt is generated once per route; the speedup is AR's summed latency
 over the route's summed latency on the same prompts, with a 95% bootstrap interval over
 prompts, beside mean accepted length (τ: tokens per round), first-token match and the
-fraction of prompts whose output equals AR's exactly.
+fraction of prompts whose output equals AR's exactly. A route name with `+exact` runs in
+exact mode (`docs/exact.md`): its speedup is still over plain `ar` (the fastest AR), its
+output is compared with `ar+exact`'s when that route ran (else with `ar`'s).
 
 Every finished (suite, route, prompt) is appended to a JSONL log next to the results, so a
 call that runs out of time resumes where it stopped. Prompts run in index order across suites
@@ -25,11 +27,15 @@ import torch
 
 from specla.bench.common import RESULTS, bootstrap, environment, write_results
 
-ROUTES = ("ar", "fla", "chain", "tree", "ngram")
+BASE_ROUTES = ("ar", "fla", "chain", "tree", "ngram")
+ROUTES = BASE_ROUTES + tuple(f"{r}+exact" for r in BASE_ROUTES if r != "fla")
 SUITES = ("mixed", "gsm8k", "humaneval")
+EXACT = "+exact"
 
 
 def _route_kwargs(route: str) -> dict:
+    if route.endswith(EXACT):
+        return {**_route_kwargs(route[:-len(EXACT)]), "exact": True}
     return {
         "ar": dict(route="ar"),
         "fla": dict(route="fla", chain_length=8),
@@ -48,31 +54,39 @@ def bootstrap_mean(xs: list[float], reps: int = 2000, seed: int = 0) -> tuple[fl
     return bootstrap_ratio(xs, [1.0] * len(xs), reps, seed)
 
 
+def token_reference(records: dict, route: str) -> str:
+    """The route whose outputs `route`'s are compared with: exact-mode AR for exact routes
+    (when it ran), else AR."""
+    exact_ar = "ar" + EXACT
+    return exact_ar if route.endswith(EXACT) and route != exact_ar and records.get(exact_ar) else "ar"
+
+
 def _summarise(records: dict, route: str) -> dict:
-    """Stats of `route` over the prompts that both it and AR finished."""
-    ar, rt = records.get("ar", {}), records.get(route, {})
-    ids = sorted(set(ar) & set(rt))
+    """Stats of `route` over the prompts that it, AR and its token reference finished."""
+    ref_name = token_reference(records, route)
+    ar, rt, ref = records.get("ar", {}), records.get(route, {}), records.get(ref_name, {})
+    ids = sorted(set(ar) & set(rt) & set(ref))
     if not ids:
         return {"prompts": 0}
     lat_ar = [ar[i]["seconds"] for i in ids]
     lat = [rt[i]["seconds"] for i in ids]
     tau = [rt[i]["mean_accepted_length"] for i in ids]
     ftm = [rt[i]["first_token_match"] for i in ids if rt[i]["first_token_match"] is not None]
-    exact = [float(rt[i]["tokens"] == ar[i]["tokens"]) for i in ids]
+    exact = [float(rt[i]["tokens"] == ref[i]["tokens"]) for i in ids]
     out = {
         "prompts": len(ids),
         "speedup": sum(lat_ar) / sum(lat), "speedup_ci95": bootstrap_ratio(lat_ar, lat),
         "mean_accepted_length": sum(tau) / len(tau), "mean_accepted_length_ci95": bootstrap_mean(tau),
         "first_token_match": sum(ftm) / len(ftm) if ftm else None,
         "first_token_match_ci95": bootstrap_mean(ftm) if ftm else None,
-        "exact_match_rate": sum(exact) / len(exact),
+        "exact_match_rate": sum(exact) / len(exact), "exact_reference": ref_name,
         "tokens_per_second": sum(len(rt[i]["tokens"]) for i in ids) / sum(lat),
         "commits": sorted({rt[i].get("commit") or "unknown" for i in ids}),
     }
-    # where outputs that differ from AR's first differ: [prompt id, token index]
+    # where outputs that differ from the reference's first differ: [prompt id, token index]
     out["first_divergence"] = [
-        [i, next((k for k, (a, b) in enumerate(zip(ar[i]["tokens"], rt[i]["tokens"])) if a != b),
-                 min(len(ar[i]["tokens"]), len(rt[i]["tokens"])))]
+        [i, next((k for k, (a, b) in enumerate(zip(ref[i]["tokens"], rt[i]["tokens"])) if a != b),
+                 min(len(ref[i]["tokens"]), len(rt[i]["tokens"])))]
         for i, same in zip(ids, exact) if not same][:50]
     return out
 
@@ -166,7 +180,7 @@ def summarise(out_dir, name: str, suites, routes, max_new_tokens: int, complete:
     return result
 
 
-def run(model_dir=None, suites=SUITES, routes=ROUTES, limit: int | None = None, fla_limit: int = 160,
+def run(model_dir=None, suites=SUITES, routes=BASE_ROUTES, limit: int | None = None, fla_limit: int = 160,
         max_new_tokens: int = 128, device: str = "auto", dtype: str = "auto", out_dir=RESULTS,
         name: str = "e2e", max_minutes: float | None = None, shard: tuple[int, int] = (0, 1),
         summary_only: bool = False, compile: str | None = None) -> dict:

@@ -198,7 +198,7 @@ def table1(bench: Bench, tiling: dict) -> list[dict]:
 def commit_section(bench: Bench) -> list[dict]:
     """Accepted-state recovery over all layers: token replay through the model vs factor commit.
 
-    factor_ms is what `Cache.commit` runs per layer (conv-state shift + GDN rank-A update);
+    factor_ms is what `Cache.commit` runs per layer (conv-state shift + GDN factor update);
     gdn_commit_ms the GDN commit kernel alone.
     """
     from specla.ops.conv import triton as conv_triton

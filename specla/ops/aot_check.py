@@ -36,15 +36,14 @@ def variants(H=8, HV=8, K=256, V=256):
                                              (True, True, False, False)):
             kind = "hybrid" if hybrid else "tree" if tree else "sequence" if final else "chain"
             yield (f"verify[{kind}{'+pending' if pending else ''}] BV={BV} w={warps}", serial.tree_verify_kernel,
-                   dict(H=H, HV=HV, K=K, V=V, BK=K, BV=BV, NV=V // BV, NP=64, PP=16 if BV >= 16 else 8,
-                        USE_DOT=BV >= 16, TREE=tree, HYBRID=hybrid,
+                   dict(H=H, HV=HV, K=K, V=V, BK=K, BV=BV, NV=V // BV, NP=64, PP=16, TREE=tree, HYBRID=hybrid,
                         HAS_PENDING=pending, STORE_U=not final, WRITE_FINAL=final), warps)
     for NT, BV in ((16, 32), (32, 32), (64, 16)):
         yield (f"parallel NT={NT} BV={BV}", parallel._parallel_verify_kernel,
                dict(H=H, HV=HV, K=K, V=V, BKC=16, BV=BV, NV=V // BV, NT=NT), 8)
     for BV in (16, 32):
         yield (f"commit BV={BV}", commit._commit_kernel,
-               dict(H=H, HV=HV, K=K, V=V, BK=K, BV=BV, NV=V // BV, PP=16, USE_DOT=True), 4)
+               dict(H=H, HV=HV, K=K, V=V, BK=K, BV=BV, NV=V // BV, PP=16), 4)
     for NP in (16, 64):
         yield f"tree_conv NP={NP}", conv._tree_conv_kernel, dict(W=4, NP=NP, BC=2048 // NP, HAS_BIAS=False), 4
     yield "conv_commit", conv._conv_commit_kernel, dict(W=4, WP=4, BC=128), 4

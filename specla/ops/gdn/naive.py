@@ -39,12 +39,16 @@ def gdn_recurrent(q, k, v, g, beta, state, scale):
 
 
 def gdn_commit(state, k, g, u, path, length):
-    """Advance `state` in place along the accepted path (DESIGN §2, rank-A factor commit).
+    """Advance `state` in place along the accepted path (DESIGN §2, factor commit).
 
     k [B, n, H, K], g [B, n, HV], u [B, n, HV, V] are a verify round's factor records;
-    path [B, P] holds node ids (root first), of which the first length[b] are applied:
+    path [B, P] holds node ids (root first), of which the first length[b] are applied, one at a
+    time with the verifier's own update, so the result is the state the verify reached there:
 
-        S <- Γ_A S + Σ_i (Γ_A / Γ_{a_i}) k_{a_i} u_{a_i}ᵀ
+        S <- γ_{a_i} S + k_{a_i} u_{a_i}ᵀ   for i = 1..length   (γ = exp g)
+
+    (The closed form Γ_A S + Σ_i (Γ_A / Γ_{a_i}) k_{a_i} u_{a_i}ᵀ is equal in exact arithmetic and
+    rounds differently.) Factors past a row's length are the identity: γ = 1, u = 0.
     """
     B, P = path.shape
     HV = u.shape[2]
@@ -54,11 +58,9 @@ def gdn_commit(state, k, g, u, path, length):
     kp = _expand_heads(k[rows, path], HV).to(dt)  # [B, P, HV, K]
     gp = g[rows, path].to(dt) * live[..., None]  # [B, P, HV]
     up = u[rows, path].to(dt) * live[..., None, None]
-    G = gp.cumsum(1)  # log Γ_i
-    GA = G[:, -1]  # log Γ_A (padding contributes 0)
-    w = (GA[:, None] - G).exp()  # Γ_A / Γ_i
-    state.mul_(GA.exp()[..., None, None])
-    state.add_(torch.einsum("bphk,bph,bphv->bhkv", kp, w, up))
+    for i in range(P):
+        state.mul_(gp[:, i].exp()[..., None, None])
+        state.add_(kp[:, i, :, :, None] * up[:, i, :, None, :])
 
 
 def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None):

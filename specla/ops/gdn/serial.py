@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specla.ops.gdn.commit import advance_tile, pending_args
+from specla.ops.gdn.commit import advance_tile, decay_update, pending_args
 
 
 @triton.jit
@@ -48,7 +48,7 @@ def tree_verify_kernel(
     s_qb, s_qn, s_kb, s_kn, s_vb, s_vn,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, NP: tl.constexpr, PP: tl.constexpr,
-    USE_DOT: tl.constexpr, TREE: tl.constexpr, HYBRID: tl.constexpr, HAS_PENDING: tl.constexpr,
+    TREE: tl.constexpr, HYBRID: tl.constexpr, HAS_PENDING: tl.constexpr,
     STORE_U: tl.constexpr, WRITE_FINAL: tl.constexpr,
 ):
     """TREE=False: nodes form a chain (parents ignored). TREE, not HYBRID: all n nodes in one
@@ -106,7 +106,7 @@ def tree_verify_kernel(
         S = tl.load(p_S, mask=m_S, other=0.0)
         if HAS_PENDING:
             S = advance_tile(S, b, hv, i_h, pk, pg, pu, plen, plen, P, P, o_k, mk, o_v, mv,
-                             H, HV, K, V, PP, False, USE_DOT)
+                             H, HV, K, V, PP, False)
             if tl.load(plen + b) > 0:  # an empty pending buffer leaves the state as it is
                 tl.store(p_S, S, mask=m_S)
     prev = node * 0 - 1
@@ -141,7 +141,7 @@ def tree_verify_kernel(
         kS, qS, qk = tl.reduce((S * c_k[:, None], S * c_q[:, None], (c_q * c_k)[:, None] + tl.zeros_like(S)),
                                0, _sum3)
         b_u = c_b * (c_v - gamma * kS)
-        S = S * gamma + c_k[:, None] * b_u[None, :]
+        S = decay_update(S, gamma, c_k, b_u)
         b_o = (gamma * qS + qk * b_u) * scale
         p_out = ((b * n + cur) * HV + hv).to(tl.int64) * V + o_v
         tl.store(o + p_out, b_o, mask=mv)
@@ -183,14 +183,14 @@ def launch(q, k, v, g, beta, state, parents, scale, pending, *, grid, tree, hybr
     u = torch.empty_like(o) if store_u else o
     # boundary tiles, indexed by node id; allocation only: just the boundaries are written
     scratch = torch.empty(B, n, HV, K, V, dtype=torch.float32, device=dev) if tree else o
-    pk, pg, pu, plen, P, PP, use_dot, has_pending = pending_args(pending, dev, block_v, K)
+    pk, pg, pu, plen, P, PP, has_pending = pending_args(pending, dev)
     sched = (parents,) * 5 if hybrid is None else hybrid
     tree_verify_kernel[grid](
         q, k, v, g.contiguous(), beta.contiguous(), state, o, u, parents, scratch, *sched,
         pk, pg, pu, plen, scale, n, P, B * HV * triton.cdiv(V, block_v),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=block_v, NV=triton.cdiv(V, block_v),
-        NP=triton.next_power_of_2(n) if tree else 1, PP=PP, USE_DOT=use_dot, TREE=tree, HYBRID=hybrid is not None,
+        NP=triton.next_power_of_2(n) if tree else 1, PP=PP, TREE=tree, HYBRID=hybrid is not None,
         HAS_PENDING=has_pending, STORE_U=store_u, WRITE_FINAL=write_final, num_warps=num_warps)
     return o, u
 

@@ -6,7 +6,7 @@
   `S` of each source layer, layout of DESIGN §1 (o = Sᵀq).
 - `pendings`: L entries, each None or a delayed accepted update `(k [B, P, H, K], g [B, P, HV],
   u [B, P, HV, V], length [B])` as `GDNLayerState.pending` holds it (path = 0..P-1, the first
-  length[b] rows live). The *committed* state is S advanced by it (the same rank-A update as
+  length[b] rows live). The *committed* state is S advanced by it (the same factor update as
   `ops.gdn_commit`).
 - `queries` [B, NQ, L, HV, K]: one key-space query per draft position, source layer and value
   head (the reader's queries are learned, so GVA groups need not share them).

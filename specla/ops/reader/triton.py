@@ -4,7 +4,7 @@ Same contract as `naive.state_read` (fp32 states; see there for shapes). One lau
 every source layer: one program per (row b, source layer l, value head hv, V-tile of BV
 columns) loads its K×BV state tile once and, in registers,
 
-1. advances it by the layer's pending accepted update, if any (`advance_tile`, the rank-A
+1. advances it by the layer's pending accepted update, if any (`advance_tile`, the factor
    commit of `ops.gdn_commit` as a device function) and writes the advanced tile back when
    `flush` and the row has something pending — so this pass is also the flush;
 2. reads it: r = Qᵀ S for the NQ draft-position queries of (b, l, hv) (one [NQ, K] × [K, BV]
@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specla.ops.gdn.commit import advance_tile, update_width
+from specla.ops.gdn.commit import advance_tile
 
 TABLE_COLUMNS = 6  # state, pending k, g, u, length, pending width
 
@@ -42,7 +42,7 @@ def _state_read_kernel(table, base, q, vmap, reads, sqn, NQ, B, s_qb, s_qp, s_ql
                        L: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        R: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                        PQ: tl.constexpr, RR: tl.constexpr, PP: tl.constexpr, USE_DOT: tl.constexpr,
-                       PENDING_DOT: tl.constexpr, HAS_PENDING: tl.constexpr, HAS_VMAP: tl.constexpr,
+                       HAS_PENDING: tl.constexpr, HAS_VMAP: tl.constexpr,
                        FLUSH: tl.constexpr, ALIGNED: tl.constexpr):
     pid = tl.program_id(0)
     vt = pid % NV
@@ -74,7 +74,7 @@ def _state_read_kernel(table, base, q, vmap, reads, sqn, NQ, B, s_qb, s_qp, s_ql
         plen = tl.load(row + 4).to(tl.pointer_type(tl.int64))
         P = tl.load(row + 5)
         S = advance_tile(S, b, hv, i_h, pk, pg, pu, plen, plen, P, P, o_k, mk, o_v, mv,
-                         H, HV, K, V, PP, False, PENDING_DOT)
+                         H, HV, K, V, PP, False)
         if FLUSH:
             if tl.load(plen + b) > 0:  # nothing pending: the state stays as it is
                 tl.store(p_S, S, mask=m_S)
@@ -177,7 +177,7 @@ def state_read(states, pendings, queries, value_map=None, flush: bool = True, *,
     BK = triton.next_power_of_2(K)
     use_dot = BV >= 16 and BK >= 16
     P = max([p[0].shape[1] for p in pendings if p is not None] or [0])
-    PP, pending_dot = update_width(P, BV, K) if P else (1, False)
+    PP = triton.next_power_of_2(max(P, 1))
     PQ = triton.next_power_of_2(max(NQ, 1))
     R = value_map.shape[2] if value_map is not None else V
     RR = triton.next_power_of_2(R)
@@ -195,7 +195,7 @@ def state_read(states, pendings, queries, value_map=None, flush: bool = True, *,
             table, states[0], queries, value_map if value_map is not None else sqn, reads, sqn, NQ, B,
             queries.stride(0), queries.stride(1), queries.stride(2),
             L=L, H=H, HV=HV, K=K, V=V, R=R, BK=BK, BV=BV, NV=NV, PQ=PQ, RR=RR, PP=PP, USE_DOT=use_dot,
-            PENDING_DOT=pending_dot, HAS_PENDING=P > 0, HAS_VMAP=value_map is not None, FLUSH=flush,
+            HAS_PENDING=P > 0, HAS_VMAP=value_map is not None, FLUSH=flush,
             ALIGNED=all(S.data_ptr() % 16 == 0 for S in states), num_warps=num_warps)
     if value_map is not None:
         reads = reads[0] if NV == 1 else reads.sum(0)
@@ -212,7 +212,7 @@ def aot_variants():
                 for BV in (16,):  # the default tile (BV = 32 spills at K = 128, R = 8)
                     yield (f"state_read HV={HV} K={K} BV={BV} R={R if vmap else 'full'}{' +pending' if pending else ''}",
                            dict(L=2, H=HV, HV=HV, K=K, V=V, R=R, BK=K, BV=BV, NV=V // BV, PQ=16, RR=max(16, R),
-                                PP=16, USE_DOT=True, PENDING_DOT=True, HAS_PENDING=pending, HAS_VMAP=vmap, FLUSH=True,
+                                PP=16, USE_DOT=True, HAS_PENDING=pending, HAS_VMAP=vmap, FLUSH=True,
                                 ALIGNED=True), 4)
 
 

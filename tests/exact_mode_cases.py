@@ -1,0 +1,123 @@
+"""Exact mode in bf16 on CPU: every route emits AR's tokens bit for bit, not just in float64.
+
+In exact mode every target call verifies the same number of nodes (AR steps verify the root
+alone), and a commit applies its factors with the verifier's own update, so each position's
+logits are computed by the same arithmetic on every route and the committed states agree bit
+for bit. Random bf16 weights have near-ties everywhere, so any rounding difference shows.
+
+These cases need torch's portable CPU kernels (ATEN_CPU_CAPABILITY=default, read when torch is
+imported: the vectorised ones round a loop's tail elements differently, docs/exact.md), so
+`test_exact_mode.py` runs them in a child process: `python exact_mode_cases.py CASE`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from specla import ops  # noqa: E402
+from specla.decode import Decoder  # noqa: E402
+from specla.drafters.ngram import NgramDrafter  # noqa: E402
+from specla.state import GDNLayerState  # noqa: E402
+
+from conftest import random_model, tiny_config  # noqa: E402
+from drafters import OracleTreeDrafter  # noqa: E402
+from graph_emulation import emulate_graphs  # noqa: E402
+from test_exactness import make_prompt  # noqa: E402
+
+NEW = 48
+WIDTH = 13
+
+
+def assert_bitwise_state(a, b):
+    assert torch.equal(a.length, b.length)
+    for sa, sb in zip(a.layers, b.layers):
+        assert isinstance(sa, GDNLayerState)
+        assert torch.equal(sa.S, sb.S)
+        if sa.conv is not None:
+            assert torch.equal(sa.conv, sb.conv)
+
+
+def _routes(oracle, cfg, seed):
+    return [
+        ("chain", lambda: NgramDrafter(length=8, topk=1)),
+        ("tree", lambda: NgramDrafter(length=4, topk=3, budget=10)),
+        ("tree", lambda: OracleTreeDrafter(oracle, cfg.vocab_size, max_nodes=WIDTH, seed=seed)),
+    ]
+
+
+def routes_equal_ar_bitwise_in_bf16(seed):
+    cfg = tiny_config(seed, vocab_size=256)
+    model = random_model(cfg, seed, dtype=torch.bfloat16)
+    prompt = make_prompt(cfg, seed, 6 + seed % 9)
+    ar_rows, _, ar_cache = Decoder(model, exact_width=WIDTH).run(torch.tensor([prompt]), NEW)
+    oracle = [prompt + ar_rows[0]]
+    multi = 0
+    for route, make in _routes(oracle, cfg, seed):
+        for delayed in (True, False):
+            rows, res, cache = Decoder(model, make(), route, delayed=delayed, exact_width=WIDTH).run(
+                torch.tensor([prompt]), NEW)
+            assert rows == ar_rows, (route, delayed)
+            assert_bitwise_state(cache, ar_cache)
+            multi += sum(r.accepted > 0 for r in res.rounds)
+    assert multi > 0  # rounds that accepted drafts: positions past the root were compared
+
+
+def without_exact_mode_states_differ():
+    """Without exact mode the same bf16 runs do not end in AR's state bit for bit (the verify
+    and the sequence path round differently): the bitwise checks above have something to catch."""
+    differs = 0
+    for seed in range(4):
+        cfg = tiny_config(seed, vocab_size=256)
+        model = random_model(cfg, seed, dtype=torch.bfloat16)
+        prompt = make_prompt(cfg, seed, 8)
+        _, _, ar_cache = Decoder(model).run(torch.tensor([prompt]), NEW)
+        _, _, cache = Decoder(model, NgramDrafter(length=8, topk=1), "chain").run(torch.tensor([prompt]), NEW)
+        try:
+            assert_bitwise_state(cache, ar_cache)
+        except AssertionError:
+            differs += 1
+    assert differs > 0
+
+
+def triton_kernels_and_graphs(seed):
+    """The Triton verifier and commit (interpreter) on emulated CUDA graphs: AR through the
+    round graph, chains and trees through the same graph, identical tokens and states."""
+    with pytest.MonkeyPatch.context() as mp:
+        emulate_graphs(mp)
+        _triton_kernels_and_graphs(seed)
+
+
+def _triton_kernels_and_graphs(seed):
+    cfg = tiny_config(seed, vocab_size=256, num_hidden_layers=2)
+    model = random_model(cfg, seed, dtype=torch.bfloat16)
+    prompt = make_prompt(cfg, seed, 8)
+    with ops.backend("triton"):
+        ar = Decoder(model, graphs=True, exact_width=WIDTH)
+        ar_rows, _, ar_cache = ar.run(torch.tensor([prompt]), 24)
+        (target,) = ar.targets.values()
+        assert ("round", ()) in target.graphs and "ar_round" not in target.graphs
+        oracle = [prompt + ar_rows[0]]
+        for route, make in _routes(oracle, cfg, seed)[1:]:
+            rows, _, cache = Decoder(model, make(), route, graphs=True, exact_width=WIDTH).run(
+                torch.tensor([prompt]), 24)
+            assert rows == ar_rows, route
+            assert_bitwise_state(cache, ar_cache)
+
+
+CASES = {
+    "routes": lambda: [routes_equal_ar_bitwise_in_bf16(seed) for seed in range(8)],
+    "control": without_exact_mode_states_differ,
+    "triton": lambda: [triton_kernels_and_graphs(seed) for seed in range(2)],
+}
+
+if __name__ == "__main__":
+    assert torch.backends.cpu.get_cpu_capability() == "DEFAULT", "run with ATEN_CPU_CAPABILITY=default"
+    torch.set_num_threads(1)
+    CASES[sys.argv[1]]()
+    print(f"{sys.argv[1]}: ok")
