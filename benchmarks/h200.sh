@@ -7,7 +7,10 @@
 # results-$LANE.tgz after every step; trained drafters come back as one .tgz each.
 # In a step's ARG list commas separate arguments; write a comma inside one argument as %
 # (`bench:e2e:300:--routes,ar%chain%tree`). Start lanes in the background and `wait` for them
-# rather than sleeping a fixed time: a lane that fails early then ends the call early.
+# rather than sleeping a fixed time: a lane that fails early then ends the call early. Export
+# SPECLA_COMMIT / SPECLA_COMPILE in a statement of its own before the lanes: in
+# `export X=1 && (lane a) & (lane b) & wait` the export runs inside lane a's background job
+# only, and lane b runs without it (this cost the shard-1 e2e records of 2026-12-01).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 SPECLA_COMMIT=${SPECLA_COMMIT:-unknown}
 LANE=${LANE:-a}
