@@ -33,7 +33,9 @@ def environment() -> dict:
             versions[mod] = None
     versions["cuda"] = torch.version.cuda
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
-    return {"device": device, "versions": versions, "commit": git_commit(),
+    from specla import ops
+
+    return {"device": device, "versions": versions, "commit": git_commit(), "verify_tiling": dict(ops.TILING),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 

@@ -32,6 +32,21 @@ _BACKENDS = ("auto", "torch", "triton")
 _backend = os.environ.get("SPECLA_BACKEND", "auto")
 
 
+def _tiling_from_env() -> dict:
+    """`SPECLA_VERIFY_TILING=BV,WARPS`: the V-tile width and warps of the GDN verify, sequence
+    and commit kernels (default 16, 4). One tiling serves every call, so a position's reduction
+    order never depends on the route (exact mode, docs/exact.md)."""
+    raw = os.environ.get("SPECLA_VERIFY_TILING", "16,4")
+    try:
+        block_v, num_warps = (int(x) for x in raw.split(","))
+    except ValueError:
+        raise ValueError(f"SPECLA_VERIFY_TILING={raw!r}: expected BV,WARPS such as 16,4") from None
+    return {"block_v": block_v, "num_warps": num_warps}
+
+
+TILING = _tiling_from_env()
+
+
 def set_backend(name: str) -> None:
     global _backend
     if name not in _BACKENDS:
@@ -69,13 +84,13 @@ def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None):
 
     plan = schedule.plan_for(parents)
     if plan.is_chain(parents):
-        return serial.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, chain=True)
+        return serial.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, chain=True, **TILING)
     if plan.prefer_serial(parents):
-        return serial.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending)
+        return serial.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, **TILING)
     # inside a capture nothing is known of the topology: the chain decomposition, not the
     # in-kernel serial fallback (schedule="auto"), which the H200 timed 1.6-1.8x slower on
     # 16-node trees in graph replay (kernels.json, hybrid_auto_ms)
-    return hybrid.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending)
+    return hybrid.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, **TILING)
 
 
 def gdn_tree_verify_serial(q, k, v, g, beta, state, parents, scale, pending=None, **options):
@@ -104,7 +119,7 @@ def gdn_commit(state, k, g, u, path, length):
         return gdn_ref.gdn_commit(state, k, g, u, path, length)
     from specla.ops.gdn import commit
 
-    return commit.gdn_commit(state, k, g, u, path, length)
+    return commit.gdn_commit(state, k, g, u, path, length, **TILING)
 
 
 def _fla_chunk():
@@ -124,7 +139,7 @@ def gdn_sequence(q, k, v, g, beta, state, scale):
     if chunk is None:
         from specla.ops.gdn import serial
 
-        return serial.gdn_chain_sequence(q, k, v, g, beta, state, scale)
+        return serial.gdn_chain_sequence(q, k, v, g, beta, state, scale, **TILING)
     # fla layout: q, k [B, T, H, K], v [B, T, HV, V], log-decay g and beta [B, T, HV], state
     # [B, HV, K, V] (state_v_first=False); q and k arrive l2-normalised.
     o, final = chunk(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=state,

@@ -356,3 +356,15 @@ def test_hybrid_auto_schedule_matches_reference(kind, poison):
         close(o, ro, "o")
         close(u, ru, "u")
         close(S_out, S_ref, "state")
+
+
+def test_verify_tiling_from_environment(monkeypatch):
+    """SPECLA_VERIFY_TILING picks the one tiling every GDN kernel call uses; a bad value says
+    what it expects."""
+    from specla import ops
+
+    monkeypatch.setenv("SPECLA_VERIFY_TILING", "8,1")
+    assert ops._tiling_from_env() == {"block_v": 8, "num_warps": 1}
+    monkeypatch.setenv("SPECLA_VERIFY_TILING", "8")
+    with pytest.raises(ValueError, match="BV,WARPS"):
+        ops._tiling_from_env()
