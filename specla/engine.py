@@ -140,7 +140,10 @@ class EagerTarget:
         """One speculative round from `next_root`'s draft: verify, accept (greedy, or lossless
         sampling with the draft's `probs`), settle what is emitted and commit exactly that."""
         if self.width is not None:
+            n = tokens.shape[1]
             tokens, parents, valid = pad_draft(tokens, parents, valid, self.width)
+            if probs is not None:  # padding nodes are past `valid`: any distribution will do
+                probs = torch.cat([probs, probs[:, -1:].expand(-1, self.width - n, *probs.shape[2:])], 1)
         out, acc = self.verify(tokens, parents, capture, temperature == 0, valid)
         if acc is None:
             acc = acceptance.sample(tokens, parents, out.logits, probs, temperature, top_p, generator, valid)

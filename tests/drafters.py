@@ -75,6 +75,7 @@ class SampledTreeDrafter(Drafter):
                  deterministic: bool = False, seed: int = 0):
         self.model, self.depth, self.fanout = model, depth, fanout
         self.temperature, self.top_p, self.deterministic = temperature, top_p, deterministic
+        self.max_nodes = sum(fanout ** d for d in range(depth + 1))
         self.g = torch.Generator().manual_seed(seed)
 
     def propose(self, ctx: DraftContext) -> Draft:

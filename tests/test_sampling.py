@@ -80,3 +80,18 @@ def test_ar_sampling_matches_and_test_has_power():
     wrong, _, _ = Decoder(model, sampling=Sampling(0.8, 1.0, seed=5)).run(torch.tensor([prompt] * N), STEPS)
     wcounts = empirical(wrong, cfg.vocab_size)
     assert wcounts[probs == 0].sum() > 0 or check_fit(wcounts, probs) < 1e-6
+
+
+@pytest.mark.parametrize("drafted", [False, True])
+def test_exact_mode_sampling_matches_the_target(drafted):
+    """Exact mode (every target call verifies one width; AR steps verify the root alone)
+    samples from the same law: AR and a sampled-tree route, 20k rows each."""
+    cfg = tiny_config(7, vocab_size=5, hidden_size=16, num_hidden_layers=2, num_heads=1, num_v_heads=2,
+                      head_dim=4, head_v_dim=4, use_short_conv=True)
+    model = random_model(cfg, 7)
+    prompt = [1, 3, 0, 2, 4, 1]
+    probs, _ = exact_joint(model, prompt, 1.0, 0.9)
+    drafter = SampledTreeDrafter(model, 2, 2, 1.0, 0.9, seed=3) if drafted else None
+    rows, _, _ = Decoder(model, drafter, "tree" if drafted else "ar", sampling=Sampling(1.0, 0.9, seed=9),
+                         exact_width=8).run(torch.tensor([prompt] * N), STEPS)
+    assert check_fit(empirical(rows, cfg.vocab_size), probs) > 0.001
