@@ -94,7 +94,7 @@ def test_expected_tau(p, L):
     assert controlled.expected_tau(p, L) == pytest.approx(sum(p ** k for k in range(L + 1)))
 
 
-def test_e2e_shards_resume_and_summary(tmp_path):
+def test_e2e_shards_resume_and_summary(tmp_path, capsys):
     """Two shards of the demo pair on CPU, one cut short and resumed; the summary of every
     record compares routes on matched prompts, and each route's tokens are AR's."""
     from specla.bench import e2e
@@ -107,7 +107,10 @@ def test_e2e_shards_resume_and_summary(tmp_path):
     assert (tmp_path / "e2e.records.0of2.jsonl").read_text() == ""
     e2e.run(**kw, shard=(0, 2))
     e2e.run(**kw, shard=(1, 2))
+    capsys.readouterr()
     res = e2e.run(**kw, summary_only=True)
+    printed = capsys.readouterr().out
+    assert "chain+exact" in printed and "(ar+exact)" in printed  # the summary table
     data = json.loads((tmp_path / "e2e.json").read_text())
     assert data["device"] == "cpu" and data["dtype"] == "float32" and (tmp_path / "e2e.png").stat().st_size > 0
     for suite in ("gsm8k", "humaneval"):

@@ -177,7 +177,29 @@ def summarise(out_dir, name: str, suites, routes, max_new_tokens: int, complete:
                                      "exact_match_rate": 1.0}
     path = write_results(name, result, out_dir)
     plot(json.loads(path.read_text()), out_dir / f"{name}.png")
+    _print(result)
     return result
+
+
+def _print(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"end-to-end greedy decoding, {result['max_new_tokens']} new tokens "
+                    f"({result.get('device', '?')}, {result.get('dtype', '?')})")
+    for c in ("suite", "route", "prompts", "speedup over AR [95% CI]", "τ", "first-token match",
+              "outputs equal (reference)"):
+        t.add_column(c)
+    for suite, routes in result["suites"].items():
+        for route, r in routes.items():
+            if route == "ar" or not r.get("prompts"):
+                continue
+            lo, hi = r["speedup_ci95"]
+            ftm = r.get("first_token_match")
+            t.add_row(suite, route, str(r["prompts"]), f"{r['speedup']:.3f} [{lo:.3f}, {hi:.3f}]",
+                      f"{r['mean_accepted_length']:.2f}", "" if ftm is None else f"{ftm:.2f}",
+                      f"{100 * r['exact_match_rate']:.1f}% ({r['exact_reference']})")
+    Console(width=140).print(t)
 
 
 def run(model_dir=None, suites=SUITES, routes=BASE_ROUTES, limit: int | None = None, fla_limit: int = 160,
