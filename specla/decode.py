@@ -14,6 +14,7 @@ API generates one sequence (B = 1); the batched form exists so tests can draw ma
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -144,6 +145,13 @@ class Decoder:
                                  f"verify width of {exact_width} (root included) allows")
             if executor == "fla":
                 raise InputError("exact mode runs on specla's own verify; the fla baseline has none")
+            cfg = model.cfg
+            if cfg.attention_layers or cfg.num_experts:
+                # a softmax-attention query's keys sit in the cache or in the round depending on
+                # where its position falls, and MoE experts batch a varying number of tokens
+                warnings.warn("exact mode is bit-exact for pure GDN targets; this target's "
+                              f"{'attention' if cfg.attention_layers else 'MoE'} layers still round "
+                              "differently across routes (docs/exact.md)", stacklevel=2)
 
     # input checks ----------------------------------------------------------------------------
     def _check(self, prompts: torch.Tensor, max_new_tokens: int) -> None:

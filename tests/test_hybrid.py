@@ -484,3 +484,15 @@ def test_mtp_runs_ahead_on_emulated_graphs(checkpoints, kind, monkeypatch):
     rows, _, cache = dec.run(torch.tensor([prompt]), NEW)
     assert dec._runs_ahead(next(iter(dec.targets.values()))) and rows == ar_rows
     assert_same_cache(cache, ar_cache)
+
+
+def test_exact_mode_on_a_hybrid_target_warns_and_stays_exact_in_float64(checkpoints):
+    """Exact mode runs on hybrid targets (float64: AR's tokens) but says that its bitwise
+    guarantee covers pure GDN targets only."""
+    path, _ = checkpoints["qwen3_next_dense"]
+    model = load_model(path, dtype=torch.float64)
+    prompt = prompt_ids(path, 2)
+    ar = Decoder(model).run(torch.tensor([prompt]), 24)[0]
+    with pytest.warns(UserWarning, match="pure GDN"):
+        dec = Decoder(model, NgramDrafter(length=6, topk=1), "chain", exact_width=9)
+    assert dec.run(torch.tensor([prompt]), 24)[0] == ar
