@@ -14,7 +14,7 @@ positions; row b has consumed `cache_length[b]` tokens, entries past it are free
 
 - `forward(h, st, cache_length)`: a plain causal sequence starting at position
   cache_length[b]; writes its K/V into the cache and attends to the cache + itself, causally.
-- `verify(h, parents, st, cache_length)`: a draft topology. Node j has rotary position
+- `verify(h, parents, st, cache_length, chain)`: a draft topology. Node j has rotary position
   cache_length + depth(j) and attends to the committed entries [0, cache_length) plus its
   ancestors and itself. The cache is only read; the nodes' K/V come back in a `KVRecord`, and
   `Cache.commit` appends the accepted path's entries, compacted, at cache_length ...
@@ -158,12 +158,24 @@ class GatedAttention(nn.Module):
         st.k.scatter_(2, idx, k.transpose(1, 2).to(st.k.dtype))
         st.v.scatter_(2, idx, v.transpose(1, 2).to(st.v.dtype))
 
-    def verify(self, h: torch.Tensor, parents: torch.Tensor, st: KVLayerState, cache_length: torch.Tensor):
-        """Score the topology `parents` [B, n]; returns (out [B, n, hidden], KVRecord). Reads the cache only."""
+    def verify(self, h: torch.Tensor, parents: torch.Tensor, st: KVLayerState, cache_length: torch.Tensor,
+               chain: bool = False):
+        """Score the topology `parents` [B, n]; returns (out [B, n, hidden], KVRecord). Reads the cache only.
+
+        `chain` (the caller promises parents[:, j] = j - 1): the nodes' K/V go into a copy of the
+        cache at their positions and every node attends causally by position, so a position's
+        keys sit where an AR step would find them and its reduction over them is the same
+        (exact mode, docs/exact.md); a tree's nodes share positions, so they take the cache
+        followed by the nodes, masked by ancestry."""
         B, n, _ = h.shape
         L = st.k.shape[2]
         pos = cache_length[:, None] + topology.depths(parents)
         q, gate, k, v = self._qkv(h, pos)
+        if chain:
+            scratch = KVLayerState(st.k.clone(), st.v.clone())
+            self._store(scratch, pos, k, v)
+            mask = torch.arange(L, device=h.device)[None, None, :] <= pos[:, :, None]  # [B, n, L]
+            return self._output(self._attend(q, scratch.k, scratch.v, mask), gate), KVRecord(k=k, v=v)
         keys = torch.cat([st.k, k.transpose(1, 2).to(st.k.dtype)], dim=2)  # [B, Hkv, L + n, D]
         values = torch.cat([st.v, v.transpose(1, 2).to(st.v.dtype)], dim=2)
         committed = torch.arange(L, device=h.device)[None, :] < cache_length[:, None]  # [B, L]

@@ -146,11 +146,13 @@ class Decoder:
             if executor == "fla":
                 raise InputError("exact mode runs on specla's own verify; the fla baseline has none")
             cfg = model.cfg
-            if cfg.attention_layers or cfg.num_experts:
-                # a softmax-attention query's keys sit in the cache or in the round depending on
-                # where its position falls, and MoE experts batch a varying number of tokens
-                warnings.warn("exact mode is bit-exact for pure GDN targets; this target's "
-                              f"{'attention' if cfg.attention_layers else 'MoE'} layers still round "
+            tree = drafter is not None and not drafter.chain
+            if cfg.num_experts or (cfg.attention_layers and tree):
+                # MoE experts batch a varying number of tokens; a tree node's attention keys sit
+                # after the cache, not at their positions (`GatedAttention.verify`)
+                warnings.warn("exact mode is bit-exact for pure GDN targets, and for dense hybrid targets on "
+                              f"chain routes; this {'MoE' if cfg.num_experts else 'hybrid'} target's "
+                              f"{'experts' if cfg.num_experts else 'attention on draft trees'} still round "
                               "differently across routes (docs/exact.md)", stacklevel=2)
 
     # input checks ----------------------------------------------------------------------------
@@ -239,7 +241,7 @@ class Decoder:
         dev = self.model.device
         r = target.round(draft.tokens.to(dev), draft.parents.to(dev), capture,
                          None if draft.valid is None else draft.valid.to(dev), draft.probs, s.temperature, s.top_p,
-                         gen, self.delayed)
+                         gen, self.delayed, self.drafter.chain)
         self.drafter.extend(r.path_tokens, r.hidden, r.count)
         return r.report
 

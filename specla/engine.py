@@ -107,11 +107,12 @@ class EagerTarget:
         """Consume the root [B]; the next-token logits [B, V]."""
         return self.model.forward(root[:, None], self.cache).logits[:, -1]
 
-    def verify(self, tokens, parents, capture=(), greedy=True, valid=None):
+    def verify(self, tokens, parents, capture=(), greedy=True, valid=None, chain=False):
         """Score a topology; with `greedy`, also accept: (ModelOutput, Acceptance | None).
 
-        `valid` [B]: real nodes per row; the rest is padding acceptance ignores."""
-        out = self.model.verify(tokens, parents, self.cache, capture)
+        `valid` [B]: real nodes per row; the rest is padding acceptance ignores. `chain`: the
+        topology is a chain (`Model.verify`)."""
+        out = self.model.verify(tokens, parents, self.cache, capture, chain)
         acc = acceptance.greedy(tokens, parents, out.logits, valid) if greedy else None
         return out, acc
 
@@ -136,15 +137,16 @@ class EagerTarget:
             self.eos[:len(eos)].copy_(torch.tensor(sorted(eos), device=self.eos.device))
 
     def round(self, tokens, parents, capture=(), valid=None, probs=None, temperature=0.0, top_p=1.0,
-              generator=None, delayed=True):
+              generator=None, delayed=True, chain=False):
         """One speculative round from `next_root`'s draft: verify, accept (greedy, or lossless
-        sampling with the draft's `probs`), settle what is emitted and commit exactly that."""
+        sampling with the draft's `probs`), settle what is emitted and commit exactly that.
+        `chain`: the drafter only proposes chains (padding keeps them chains)."""
         if self.width is not None:
             n = tokens.shape[1]
             tokens, parents, valid = pad_draft(tokens, parents, valid, self.width)
             if probs is not None:  # padding nodes are past `valid`: any distribution will do
                 probs = torch.cat([probs, probs[:, -1:].expand(-1, self.width - n, *probs.shape[2:])], 1)
-        out, acc = self.verify(tokens, parents, capture, temperature == 0, valid)
+        out, acc = self.verify(tokens, parents, capture, temperature == 0, valid, chain)
         if acc is None:
             acc = acceptance.sample(tokens, parents, out.logits, probs, temperature, top_p, generator, valid)
         settled = self._settle(tokens, parents, valid, out.logits, out.hidden, acc)
@@ -158,7 +160,7 @@ class EagerTarget:
         if self.width is not None:
             root = self.next_root[:, None].clone()
             return self.round(root, torch.full_like(root, -1), temperature=temperature, top_p=top_p,
-                              generator=generator).report
+                              generator=generator, chain=True).report
         return self._ar_settle(self.step(self.next_root), None if temperature == 0 else (temperature, top_p, generator))
 
     def _ar_settle(self, logits: torch.Tensor, sampling) -> torch.Tensor:
@@ -240,14 +242,14 @@ class GraphTarget(EagerTarget):
         for buf, t in zip((self.tokens, self.parents, self.valid), pad_draft(tokens, parents, valid, self.budget)):
             buf.copy_(t)
 
-    def verify(self, tokens, parents, capture=(), greedy=True, valid=None):
+    def verify(self, tokens, parents, capture=(), greedy=True, valid=None, chain=False):
         if not greedy:  # sampling draws random numbers: run eagerly on the same buffers
-            return super().verify(tokens, parents, capture, greedy, valid)
+            return super().verify(tokens, parents, capture, greedy, valid, chain)
         self._stage(tokens, parents, valid)
-        key = ("verify", tuple(capture))
+        key = ("verify", tuple(capture), chain)
 
         def run():
-            out = self.model.verify(self.tokens, self.parents, self.cache, capture)
+            out = self.model.verify(self.tokens, self.parents, self.cache, capture, chain)
             return out, self._accept(self.tokens, self.parents, out.logits, self.valid)
 
         graph, (out, acc) = self.graphs.get(key) or self._capture(key, run)
@@ -271,16 +273,17 @@ class GraphTarget(EagerTarget):
         graph.replay()
 
     def round(self, tokens, parents, capture=(), valid=None, probs=None, temperature=0.0, top_p=1.0,
-              generator=None, delayed=True):
+              generator=None, delayed=True, chain=False):
         """Greedy: the whole round in one graph (verify, accept, settle, commit the emitted
         tokens). Sampling: eagerly, through the same buffers."""
         if temperature != 0:
-            return super().round(tokens, parents, capture, valid, probs, temperature, top_p, generator, delayed)
+            return super().round(tokens, parents, capture, valid, probs, temperature, top_p, generator, delayed,
+                                 chain)
         self._stage(tokens, parents, valid)
-        key = ("round", tuple(capture))
+        key = ("round", tuple(capture), chain)
 
         def run():
-            out = self.model.verify(self.tokens, self.parents, self.cache, capture)
+            out = self.model.verify(self.tokens, self.parents, self.cache, capture, chain)
             acc = self._accept(self.tokens, self.parents, out.logits, self.valid)
             settled = self._settle(self.tokens, self.parents, self.valid, out.logits, out.hidden, acc)
             self.cache.commit(out.records, acc.path, settled.count, self.delayed)
@@ -350,7 +353,7 @@ class FlaTarget(EagerTarget):
         self.pkv = out.past_key_values
         return out.logits[:, -1]
 
-    def verify(self, tokens, parents, capture=(), greedy=True, valid=None):
+    def verify(self, tokens, parents, capture=(), greedy=True, valid=None, chain=False):
         from specla.topology import root_to_leaf_paths
 
         n = tokens.shape[1]

@@ -429,7 +429,7 @@ class FusedModel:
             self.shapes.add(key)
         return True
 
-    def _plain_block(self, blk, x, st, cache, parents):
+    def _plain_block(self, blk, x, st, cache, parents, chain):
         """A block the fused path does not cover (attention mixer, MoE MLP): Model's own code."""
         rec = None
         if parents is None:
@@ -439,14 +439,15 @@ class FusedModel:
                 x = x + blk.mixer(blk.attn_norm(x), st)
         else:
             if isinstance(st, KVLayerState):
-                o, rec = blk.mixer.verify(blk.attn_norm(x), parents, st, cache.length)
+                o, rec = blk.mixer.verify(blk.attn_norm(x), parents, st, cache.length, chain)
             else:
                 o, rec = blk.mixer.verify(blk.attn_norm(x), parents, st)
             x = x + o
         return x + blk.mlp(blk.mlp_norm(x)), rec
 
-    def run(self, tokens, cache, capture=(), parents=None):
-        """forward (parents None: consume the tokens, advance the cache) or verify."""
+    def run(self, tokens, cache, capture=(), parents=None, chain=False):
+        """forward (parents None: consume the tokens, advance the cache) or verify (`chain`:
+        the topology is a chain, `Model.verify`)."""
         from specla.model import ModelOutput
 
         m = self.model
@@ -474,7 +475,7 @@ class FusedModel:
             if lay is None:
                 x = settle(x, r, want)
                 r, want = None, None
-                x, rec = self._plain_block(blk, x, st, cache, parents)
+                x, rec = self._plain_block(blk, x, st, cache, parents, chain)
                 records.append(rec)
                 if i in capture:
                     hidden[i] = x
@@ -524,5 +525,5 @@ class FusedModel:
     def forward(self, tokens, cache, capture=()):
         return self.run(tokens, cache, capture)
 
-    def verify(self, tokens, parents, cache, capture=()):
-        return self.run(tokens, cache, capture, parents)
+    def verify(self, tokens, parents, cache, capture=(), chain=False):
+        return self.run(tokens, cache, capture, parents, chain)

@@ -247,17 +247,18 @@ class Model(nn.Module):
 
     @torch.no_grad()
     def verify(self, tokens: torch.Tensor, parents: torch.Tensor, cache: Cache,
-               capture: tuple[int, ...] = ()) -> ModelOutput:
-        """Score every node of the topology `parents` [B, n] (node 0 = root) from `cache`."""
+               capture: tuple[int, ...] = (), chain: bool = False) -> ModelOutput:
+        """Score every node of the topology `parents` [B, n] (node 0 = root) from `cache`.
+        `chain`: the caller promises a chain (attention then reads keys in position order)."""
         fused = getattr(self, "_fused", None)
         if fused is not None and fused.takes(tokens, verify=True):
-            return fused.verify(tokens, parents, cache, capture)
+            return fused.verify(tokens, parents, cache, capture, chain)
         x = self.embeddings(tokens)
         hidden, records = {}, []
         for i, blk in enumerate(self.layers):
             st = cache.layers[i]
             if isinstance(st, KVLayerState):
-                o, rec = blk.mixer.verify(blk.attn_norm(x), parents, st, cache.length)
+                o, rec = blk.mixer.verify(blk.attn_norm(x), parents, st, cache.length, chain)
             else:
                 o, rec = blk.mixer.verify(blk.attn_norm(x), parents, st)
             x = x + o

@@ -32,15 +32,17 @@ class OracleTreeDrafter(Drafter):
 
     name = "oracle-tree"
 
-    def __init__(self, oracle: list[list[int]], vocab: int, max_nodes: int = 12, hit: float = 0.75, seed: int = 0):
-        self.oracle, self.vocab, self.max_nodes, self.hit = oracle, vocab, max_nodes, hit
+    def __init__(self, oracle: list[list[int]], vocab: int, max_nodes: int = 12, hit: float = 0.75, seed: int = 0,
+                 shapes: tuple[str, ...] = SHAPES):
+        self.oracle, self.vocab, self.max_nodes, self.hit, self.shapes = oracle, vocab, max_nodes, hit, shapes
+        self.chain = shapes == ("deep_chain",)
         self.g = torch.Generator().manual_seed(seed)
         self.round = 0
 
     def propose(self, ctx: DraftContext) -> Draft:
         rows = []
         for b, hist in enumerate(ctx.history):
-            kind = SHAPES[(self.round + b) % len(SHAPES)]
+            kind = self.shapes[(self.round + b) % len(self.shapes)]
             n = int(torch.randint(1, self.max_nodes + 1, (1,), generator=self.g))
             par = random_parents(kind, n, self.g)
             depth = [0] * len(par)

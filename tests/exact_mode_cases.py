@@ -36,11 +36,14 @@ WIDTH = 13
 
 def assert_bitwise_state(a, b):
     assert torch.equal(a.length, b.length)
+    n = int(a.length.max())
     for sa, sb in zip(a.layers, b.layers):
-        assert isinstance(sa, GDNLayerState)
-        assert torch.equal(sa.S, sb.S)
-        if sa.conv is not None:
-            assert torch.equal(sa.conv, sb.conv)
+        if isinstance(sa, GDNLayerState):
+            assert torch.equal(sa.S, sb.S)
+            if sa.conv is not None:
+                assert torch.equal(sa.conv, sb.conv)
+        else:  # attention: the committed K/V entries
+            assert torch.equal(sa.k[:, :, :n], sb.k[:, :, :n]) and torch.equal(sa.v[:, :, :n], sb.v[:, :, :n])
 
 
 def _routes(oracle, cfg, seed):
@@ -101,7 +104,7 @@ def _triton_kernels_and_graphs(seed):
         ar = Decoder(model, graphs=True, exact_width=WIDTH)
         ar_rows, _, ar_cache = ar.run(torch.tensor([prompt]), 24)
         (target,) = ar.targets.values()
-        assert ("round", ()) in target.graphs and "ar_round" not in target.graphs
+        assert ("round", (), True) in target.graphs and "ar_round" not in target.graphs
         oracle = [prompt + ar_rows[0]]
         for route, make in _routes(oracle, cfg, seed)[1:]:
             rows, _, cache = Decoder(model, make(), route, graphs=True, exact_width=WIDTH).run(
@@ -110,7 +113,30 @@ def _triton_kernels_and_graphs(seed):
             assert_bitwise_state(cache, ar_cache)
 
 
+def hybrid_chains(seed):
+    """A dense hybrid target (GDN + softmax attention): chain routes (n-gram, an oracle that
+    drafts chains with long and empty acceptances) equal exact-mode AR bit for bit, K/V
+    caches included: a chain's attention reads its keys in position order, as AR does."""
+    cfg = tiny_config(seed, vocab_size=256, num_hidden_layers=3, attn_num_heads=2, attn_num_kv_heads=1,
+                      attn_head_dim=8, layer_types=["linear_attention", "full_attention", "linear_attention"])
+    model = random_model(cfg, seed, dtype=torch.bfloat16)
+    prompt = make_prompt(cfg, seed, 6 + seed % 5)
+    ar_rows, _, ar_cache = Decoder(model, exact_width=WIDTH).run(torch.tensor([prompt]), NEW)
+    oracle = [prompt + ar_rows[0]]
+    accepted = 0
+    for make in (lambda: NgramDrafter(length=8, topk=1),
+                 lambda: OracleTreeDrafter(oracle, cfg.vocab_size, max_nodes=WIDTH, seed=seed, shapes=("deep_chain",))):
+        for delayed in (True, False):
+            rows, res, cache = Decoder(model, make(), "chain", delayed=delayed, exact_width=WIDTH).run(
+                torch.tensor([prompt]), NEW)
+            assert rows == ar_rows, delayed
+            assert_bitwise_state(cache, ar_cache)
+            accepted += sum(r.accepted for r in res.rounds)
+    assert accepted > 0
+
+
 CASES = {
+    "hybrid": lambda: [hybrid_chains(seed) for seed in range(4)],
     "routes": lambda: [routes_equal_ar_bitwise_in_bf16(seed) for seed in range(8)],
     "control": without_exact_mode_states_differ,
     "triton": lambda: [triton_kernels_and_graphs(seed) for seed in range(2)],

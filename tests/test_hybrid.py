@@ -486,13 +486,23 @@ def test_mtp_runs_ahead_on_emulated_graphs(checkpoints, kind, monkeypatch):
     assert_same_cache(cache, ar_cache)
 
 
-def test_exact_mode_on_a_hybrid_target_warns_and_stays_exact_in_float64(checkpoints):
-    """Exact mode runs on hybrid targets (float64: AR's tokens) but says that its bitwise
-    guarantee covers pure GDN targets only."""
-    path, _ = checkpoints["qwen3_next_dense"]
+def test_exact_mode_on_hybrid_targets_warns_where_it_is_not_bitwise(checkpoints):
+    """Exact mode runs on hybrid targets (float64: AR's tokens). It warns for MoE targets and for
+    trees on hybrid ones (their attention keys are not in position order), not for chains on a
+    dense hybrid target (bitwise: tests/test_exact_mode.py)."""
+    import warnings
+
+    path, _ = checkpoints["qwen3_5"]
     model = load_model(path, dtype=torch.float64)
     prompt = prompt_ids(path, 2)
     ar = Decoder(model).run(torch.tensor([prompt]), 24)[0]
-    with pytest.warns(UserWarning, match="pure GDN"):
-        dec = Decoder(model, NgramDrafter(length=6, topk=1), "chain", exact_width=9)
-    assert dec.run(torch.tensor([prompt]), 24)[0] == ar
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        chain = Decoder(model, NgramDrafter(length=6, topk=1), "chain", exact_width=9)
+    with pytest.warns(UserWarning, match="attention on draft trees"):
+        tree = Decoder(model, NgramDrafter(length=4, topk=2, budget=8), "tree", exact_width=9)
+    assert chain.run(torch.tensor([prompt]), 24)[0] == ar
+    assert tree.run(torch.tensor([prompt]), 24)[0] == ar
+    moe = load_model(checkpoints["qwen3_next_moe"][0], dtype=torch.float64)
+    with pytest.warns(UserWarning, match="MoE"):
+        Decoder(moe, exact_width=9)

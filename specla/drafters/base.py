@@ -52,6 +52,9 @@ class Drafter:
     # drafts from `DraftContext.root` alone (no host history, no host read): the decode loop
     # may then run rounds ahead of the host
     device_root: bool = False
+    # every draft is a chain (node j's parent is j - 1): the target's attention layers may then
+    # read keys in position order (`GatedAttention.verify`)
+    chain: bool = False
 
     def reset(self, batch: int) -> None:
         """Start a new generation."""

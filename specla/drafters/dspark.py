@@ -312,6 +312,7 @@ class DSparkDrafter(Drafter):
 
     name = "dspark"
     device_root = True
+    chain = True
 
     def __init__(self, model: DSparkModel, target: Model, threshold: float = 0.0, block: int | None = None,
                  min_draft: int = 1, graphs: bool = False, initial_capacity: int = 256):

@@ -273,6 +273,7 @@ class EagleDrafter(Drafter):
         pool = topk + (depth - 1) * topk * topk
         self.budget = pool if budget is None else min(budget, pool)
         self.max_nodes = self.budget + 1
+        self.chain = topk == 1
         self.entries = 1 + (depth - 1) * topk  # drafter queries per rollout: the root, then k per depth
         self.capture = tuple(model.cfg.feature_layers)
         self.initial_capacity = initial_capacity

@@ -90,6 +90,7 @@ class MTPDrafter(Drafter):
 
     name = "mtp"
     device_root = True
+    chain = True
 
     def __init__(self, model_dir, target: Model, length: int = 3, module: MTPModule | None = None,
                  initial_capacity: int = 256):

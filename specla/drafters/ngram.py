@@ -22,6 +22,7 @@ class NgramDrafter(Drafter):
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self.max_nodes = self.budget + 1
+        self.chain = topk == 1  # one continuation
 
     def continuations(self, hist: list[int]) -> list[list[int]]:
         for size in range(min(self.max_ngram, len(hist) - 1), self.min_ngram - 1, -1):
