@@ -154,6 +154,10 @@ class Decoder:
                               f"chain routes; this {'MoE' if cfg.num_experts else 'hybrid'} target's "
                               f"{'experts' if cfg.num_experts else 'attention on draft trees'} still round "
                               "differently across routes (docs/exact.md)", stacklevel=2)
+            if model.device.type == "cpu" and torch.backends.cpu.get_cpu_capability() != "DEFAULT":
+                # the vectorised kernels round a loop's scalar tail differently (docs/exact.md)
+                warnings.warn("exact mode on CPU is bit-exact only with torch's portable kernels: set "
+                              "ATEN_CPU_CAPABILITY=default before starting Python", stacklevel=2)
 
     # input checks ----------------------------------------------------------------------------
     def _check(self, prompts: torch.Tensor, max_new_tokens: int) -> None:

@@ -53,3 +53,18 @@ def test_exact_mode_equals_ar_in_float64():
     ar = Decoder(model).run(prompt, 24)[0]
     for drafter, route in ((None, "ar"), (NgramDrafter(length=8, topk=1), "chain")):
         assert Decoder(model, drafter, route, exact_width=9).run(prompt, 24)[0] == ar
+
+
+def test_exact_mode_on_cpu_says_which_kernels_it_needs(monkeypatch):
+    """On CPU with torch's vectorised kernels exact mode warns that bitwise agreement needs
+    ATEN_CPU_CAPABILITY=default; with the portable ones it does not."""
+    import warnings
+
+    model = random_model(tiny_config(0), 0)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    with pytest.warns(UserWarning, match="ATEN_CPU_CAPABILITY=default"):
+        Decoder(model, exact_width=9)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Decoder(model, exact_width=9)
