@@ -144,3 +144,33 @@ def test_ready_bench_summary_has_paired_intervals(tmp_path):
     c = suite["paired"]["ready/dspark"]
     assert c["prompts"] == 1 and c["tau_ratio_ci95"][0] <= c["tau_ratio"] <= c["tau_ratio_ci95"][1]
     assert (tmp_path / "r.png").stat().st_size > 0
+
+
+def test_rounds_timer_counts_nested_calls_once(monkeypatch):
+    """`bench rounds` times `round` and `ar_round`; an exact-mode AR step runs as a round inside
+    `ar_round`, and must be recorded once, as an AR step."""
+    from specla.bench import rounds
+
+    class Event:  # CUDA events stand-in: CPU tests have no device
+        def __init__(self, **_):
+            pass
+
+        def record(self):
+            pass
+
+    monkeypatch.setattr(rounds.torch.cuda, "Event", Event)
+
+    class Target:
+        def round(self):
+            return "r"
+
+        def ar_round(self):
+            return self.round()
+
+    t, timer = Target(), rounds._Timer()
+    for name in ("round", "ar_round"):
+        timer.wrap(t, name)
+    assert t.ar_round() == "r" and t.round() == "r"
+    assert [c[0] for c in timer.calls] == ["ar_round", "round"]
+    timer.unwrap()
+    assert "round" not in vars(t)

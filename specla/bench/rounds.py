@@ -27,11 +27,14 @@ PHASES = {"drafter": ("propose", "extend"), "target": ("round", "ar_round")}
 
 
 class _Timer:
-    """Wraps methods of an object (instance attributes shadow them) to record each call."""
+    """Wraps methods of an object (instance attributes shadow them) to record each call. A
+    call made inside another timed call (an exact-mode AR step runs as a round) is part of the
+    outer one and not recorded again."""
 
     def __init__(self):
         self.calls: list[tuple[str, object, object, float]] = []
         self.wrapped: list[tuple[object, str]] = []
+        self.depth = 0
 
     def wrap(self, obj, name: str) -> None:
         if obj is None or not hasattr(obj, name):
@@ -39,10 +42,16 @@ class _Timer:
         fn = getattr(obj, name)
 
         def timed(*args, **kwargs):
+            if self.depth:
+                return fn(*args, **kwargs)
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             t0 = time.perf_counter()
             e0.record()
-            out = fn(*args, **kwargs)
+            self.depth += 1
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                self.depth -= 1
             e1.record()
             self.calls.append((name, e0, e1, time.perf_counter() - t0))
             return out
