@@ -18,6 +18,7 @@ class Acceptance:
     path: torch.Tensor  # [B, n] accepted node ids, root first, padded with 0
     length: torch.Tensor  # [B] nodes on the path (accepted drafts + 1)
     bonus: torch.Tensor  # [B] the token emitted after the path (target's own choice)
+    top: torch.Tensor | None = None  # [B] the target's argmax at the root, when the rule computed it
 
     @property
     def accepted(self) -> torch.Tensor:
@@ -45,7 +46,7 @@ def greedy(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor,
         path[rows, length.clamp(max=n - 1)] = torch.where(move, j, path[rows, length.clamp(max=n - 1)])
         length = length + move.long()
         cur = torch.where(move, j, cur)
-    return Acceptance(path, length, target[rows, cur])
+    return Acceptance(path, length, target[rows, cur], target[:, 0])
 
 
 def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
@@ -145,7 +146,7 @@ def report(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor | No
         if valid is not None:
             real = real & (valid > 1)
         first = torch.where(real, tokens[:, 1], first)
-        top = logits[:, 0].argmax(-1)
+        top = acc.top if acc.top is not None else logits[:, 0].argmax(-1)
     drafted = (valid if valid is not None else torch.full_like(count, n)) - 1
     head = [count, acc.length, first, top, drafted, done.long()]
     return torch.cat([torch.stack(head, 1), toks], 1)

@@ -52,19 +52,28 @@ def settle(tokens, parents, valid, logits, hidden, acc, emitted, done, room, eos
     return path_tokens, {i: h[rows, acc.path] for i, h in hidden.items()}, count, rep
 
 
-def pad_draft(tokens, parents, valid, width: int):
-    """A draft [B, n] padded to `width` nodes with a chain under its last node, and its real
-    node count [B] (acceptance ignores the padding)."""
+def pad_draft(tokens, parents, valid, width: int, out=None):
+    """A draft [B, n] padded to `width` nodes with a chain under its last node (its last token
+    repeated, node j's parent j - 1), and its real node count [B] (acceptance ignores the
+    padding): written into `out` = (tokens, parents, valid) buffers when given (the static
+    buffers of a CUDA graph), else into new tensors."""
     B, n = tokens.shape
     if n > width:
         raise ValueError(f"draft of {n} nodes exceeds the verify width of {width}")
+    dev = tokens.device
+    if out is None:
+        out = (torch.empty(B, width, dtype=tokens.dtype, device=dev),
+               torch.empty(B, width, dtype=parents.dtype, device=dev), torch.empty(B, dtype=torch.long, device=dev))
+    t, p, v = out
+    t[:, :n].copy_(tokens)
+    t[:, n:].copy_(tokens[:, -1:].expand(-1, width - n))
+    p[:, :n].copy_(parents)
+    p[:, n:].copy_(torch.arange(n - 1, width - 1, device=dev))
     if valid is None:
-        valid = torch.full((B,), n, dtype=torch.long, device=tokens.device)
-    if n == width:
-        return tokens, parents, valid
-    chain = torch.arange(n - 1, width - 1, device=tokens.device).expand(B, -1)
-    return (torch.cat([tokens, tokens[:, -1:].expand(-1, width - n)], 1),
-            torch.cat([parents, chain.to(parents.dtype)], 1), valid)
+        v.fill_(n)
+    else:
+        v.copy_(valid)
+    return out
 
 
 class EagerTarget:
@@ -238,9 +247,8 @@ class GraphTarget(EagerTarget):
         return out
 
     def _stage(self, tokens, parents, valid) -> None:
-        """Copy a draft into the static buffers, padded to the budget (`pad_draft`)."""
-        for buf, t in zip((self.tokens, self.parents, self.valid), pad_draft(tokens, parents, valid, self.budget)):
-            buf.copy_(t)
+        """Write a draft into the static buffers, padded to the budget (`pad_draft`)."""
+        pad_draft(tokens, parents, valid, self.budget, out=(self.tokens, self.parents, self.valid))
 
     def verify(self, tokens, parents, capture=(), greedy=True, valid=None, chain=False):
         if not greedy:  # sampling draws random numbers: run eagerly on the same buffers

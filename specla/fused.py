@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from specla import ops
-from specla.state import GDNRecord, KVLayerState
+from specla.state import GDNRecord
 
 ENV = "SPECLA_COMPILE"
 MODES = ("default", "max-autotune")
@@ -429,22 +429,6 @@ class FusedModel:
             self.shapes.add(key)
         return True
 
-    def _plain_block(self, blk, x, st, cache, parents, chain):
-        """A block the fused path does not cover (attention mixer, MoE MLP): Model's own code."""
-        rec = None
-        if parents is None:
-            if isinstance(st, KVLayerState):
-                x = x + blk.mixer(blk.attn_norm(x), st, cache.length)
-            else:
-                x = x + blk.mixer(blk.attn_norm(x), st)
-        else:
-            if isinstance(st, KVLayerState):
-                o, rec = blk.mixer.verify(blk.attn_norm(x), parents, st, cache.length, chain)
-            else:
-                o, rec = blk.mixer.verify(blk.attn_norm(x), parents, st)
-            x = x + o
-        return x + blk.mlp(blk.mlp_norm(x)), rec
-
     def run(self, tokens, cache, capture=(), parents=None, chain=False):
         """forward (parents None: consume the tokens, advance the cache) or verify (`chain`:
         the topology is a chain, `Model.verify`)."""
@@ -475,7 +459,8 @@ class FusedModel:
             if lay is None:
                 x = settle(x, r, want)
                 r, want = None, None
-                x, rec = self._plain_block(blk, x, st, cache, parents, chain)
+                # a block the fused path does not cover (attention mixer, MoE MLP): Model's own code
+                x, rec = blk.run(x, st, cache.length, parents, chain)
                 records.append(rec)
                 if i in capture:
                     hidden[i] = x

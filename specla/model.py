@@ -173,6 +173,18 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, zc)
         self.mlp = make_mlp(cfg, layer)
 
+    def run(self, x, st, cache_length, parents=None, chain=False):
+        """The block on x: a plain sequence (parents None; advances `st`) or a verify of the
+        topology `parents` (`Model.verify`). Returns (x, the verify's record or None)."""
+        h = self.attn_norm(x)
+        kv = isinstance(st, KVLayerState)
+        if parents is None:
+            o, rec = (self.mixer(h, st, cache_length) if kv else self.mixer(h, st)), None
+        else:
+            o, rec = self.mixer.verify(h, parents, st, cache_length, chain) if kv else self.mixer.verify(h, parents, st)
+        x = x + o
+        return x + self.mlp(self.mlp_norm(x)), rec
+
 
 @dataclass
 class ModelOutput:
@@ -234,12 +246,7 @@ class Model(nn.Module):
         x = self.embeddings(tokens)
         hidden = {}
         for i, blk in enumerate(self.layers):
-            st = cache.layers[i]
-            if isinstance(st, KVLayerState):
-                x = x + blk.mixer(blk.attn_norm(x), st, cache.length)
-            else:
-                x = x + blk.mixer(blk.attn_norm(x), st)
-            x = x + blk.mlp(blk.mlp_norm(x))
+            x, _ = blk.run(x, cache.layers[i], cache.length)
             if i in capture:
                 hidden[i] = x
         cache.length.add_(tokens.shape[1])
@@ -256,13 +263,7 @@ class Model(nn.Module):
         x = self.embeddings(tokens)
         hidden, records = {}, []
         for i, blk in enumerate(self.layers):
-            st = cache.layers[i]
-            if isinstance(st, KVLayerState):
-                o, rec = blk.mixer.verify(blk.attn_norm(x), parents, st, cache.length, chain)
-            else:
-                o, rec = blk.mixer.verify(blk.attn_norm(x), parents, st)
-            x = x + o
-            x = x + blk.mlp(blk.mlp_norm(x))
+            x, rec = blk.run(x, cache.layers[i], cache.length, parents, chain)
             records.append(rec)
             if i in capture:
                 hidden[i] = x
