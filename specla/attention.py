@@ -16,14 +16,15 @@ positions; row b has consumed `cache_length[b]` tokens, entries past it are free
   cache_length[b]; writes its K/V into the cache and attends to the cache + itself, causally.
 - `verify(h, parents, st, cache_length, chain)`: a draft topology. Node j has rotary position
   cache_length + depth(j) and attends to the committed entries [0, cache_length) plus its
-  ancestors and itself. The cache is only read; the nodes' K/V come back in a `KVRecord`, and
+  ancestors and itself. The committed entries are only read (a chain's nodes use the free
+  slots after them); the nodes' K/V come back in a `KVRecord`, and
   `Cache.commit` appends the accepted path's entries, compacted, at cache_length ...
 
 Attention runs in `scaled_dot_product_attention` with a boolean mask. Decode steps and verify
 attend over the whole static cache (L_max) (plus the n nodes): no host syncs and shapes fixed by
-(L_max, n), so a step can be captured in a CUDA graph. Verify concatenates the cache with the
-nodes' K/V (one copy of the layer's cache per round) rather than writing scratch slots, so the
-cache really is only read. Prefill (T > 1, not captured) bounds the keys by the longest row.
+(L_max, n), so a step can be captured in a CUDA graph. A tree's verify concatenates the cache
+with the nodes' K/V (one copy of the layer's cache per round); a chain's writes them into the
+free slots, as an AR step would. Prefill (T > 1, not captured) bounds the keys by the longest row.
 Grouped-query attention folds the G query heads of each KV head into the query axis, so K/V
 are never replicated per query head.
 """
@@ -162,20 +163,20 @@ class GatedAttention(nn.Module):
                chain: bool = False):
         """Score the topology `parents` [B, n]; returns (out [B, n, hidden], KVRecord). Reads the cache only.
 
-        `chain` (the caller promises parents[:, j] = j - 1): the nodes' K/V go into a copy of the
-        cache at their positions and every node attends causally by position, so a position's
-        keys sit where an AR step would find them and its reduction over them is the same
-        (exact mode, docs/exact.md); a tree's nodes share positions, so they take the cache
-        followed by the nodes, masked by ancestry."""
+        `chain` (the caller promises parents[:, j] = j - 1): the nodes' K/V go into the cache's
+        free slots at their positions (past the committed length: nothing reads them but this
+        verify, and the commit writes the accepted ones there again) and every node attends
+        causally by position, so a position's keys sit where an AR step would find them and its
+        reduction over them is the same (exact mode, docs/exact.md); a tree's nodes share
+        positions, so they take a copy of the cache followed by the nodes, masked by ancestry."""
         B, n, _ = h.shape
         L = st.k.shape[2]
         pos = cache_length[:, None] + topology.depths(parents)
         q, gate, k, v = self._qkv(h, pos)
         if chain:
-            scratch = KVLayerState(st.k.clone(), st.v.clone())
-            self._store(scratch, pos, k, v)
+            self._store(st, pos, k, v)
             mask = torch.arange(L, device=h.device)[None, None, :] <= pos[:, :, None]  # [B, n, L]
-            return self._output(self._attend(q, scratch.k, scratch.v, mask), gate), KVRecord(k=k, v=v)
+            return self._output(self._attend(q, st.k, st.v, mask), gate), KVRecord(k=k, v=v)
         keys = torch.cat([st.k, k.transpose(1, 2).to(st.k.dtype)], dim=2)  # [B, Hkv, L + n, D]
         values = torch.cat([st.v, v.transpose(1, 2).to(st.v.dtype)], dim=2)
         committed = torch.arange(L, device=h.device)[None, :] < cache_length[:, None]  # [B, L]

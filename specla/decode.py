@@ -271,6 +271,7 @@ class Decoder:
             return FlaTarget(self.model, batch, max_len)
         exact = self.exact_width is not None
         budget = self.exact_width or (self.drafter.max_nodes if self.drafter is not None else 1)
+        max_len += budget  # a chain verify writes its nodes' K/V up to `budget` slots past the end
         key = ("graph", batch, budget, self.delayed, exact) if self.graphs else ("eager", batch, self.exact_width)
         target = self.targets.get(key)
         if target is not None and target.max_len >= max_len:
