@@ -487,7 +487,7 @@ class FusedModel:
             if parents is None:
                 o = ops.gdn_sequence(q, k, v, g, beta, st.S, mix.scale)
             else:
-                o, u = ops.gdn_tree_verify(q, k, v, g, beta, st.S, parents, mix.scale, st.pending)
+                o, u = ops.gdn_tree_verify(q, k, v, g, beta, st.S, parents, mix.scale, st.pending, chain)
                 if st.pending is not None and i not in banked:  # folded into S by the verify
                     st.pending[3].zero_()
                 records.append(GDNRecord(x=xp if st.conv is not None else None, k=k, g=g, u=u))

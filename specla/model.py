@@ -134,14 +134,14 @@ class GatedDeltaNet(nn.Module):
         q, k, v, g, beta = self._factors(xc, a, b, torch.float32)
         return self._output(gdn_train(q, k, v, g, beta, self.scale).float(), z, h.dtype)
 
-    def verify(self, h, parents, st: GDNLayerState):
+    def verify(self, h, parents, st: GDNLayerState, chain: bool = False):
         x, z, a, b = self._project(h)
         if st.conv is not None:
             xc = ops.tree_conv(x, st.conv, self.conv_weight, self.conv_bias, parents)
         else:
             xc = F.silu(x)
         q, k, v, g, beta = self._factors(xc, a, b, st.S.dtype)
-        o, u = ops.gdn_tree_verify(q, k, v, g, beta, st.S, parents, self.scale, st.pending)
+        o, u = ops.gdn_tree_verify(q, k, v, g, beta, st.S, parents, self.scale, st.pending, chain)
         if st.pending is not None:  # folded into S by the verify
             st.pending[3].zero_()
         rec = GDNRecord(x=x if st.conv is not None else None, k=k, g=g, u=u)
@@ -181,7 +181,8 @@ class Block(nn.Module):
         if parents is None:
             o, rec = (self.mixer(h, st, cache_length) if kv else self.mixer(h, st)), None
         else:
-            o, rec = self.mixer.verify(h, parents, st, cache_length, chain) if kv else self.mixer.verify(h, parents, st)
+            o, rec = (self.mixer.verify(h, parents, st, cache_length, chain) if kv
+                      else self.mixer.verify(h, parents, st, chain))
         x = x + o
         return x + self.mlp(self.mlp_norm(x)), rec
 
