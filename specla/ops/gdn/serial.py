@@ -89,6 +89,10 @@ def tree_verify_kernel(
         node = tl.program_id(0) * 0  # a tensor, like the hybrid's: it is loop-carried
     if REPLAY:
         skip = tl.load(chain_skip + b * n + c, mask=c < n, other=0)
+        # node ids come from scalar loads two nodes ahead, off the recurrence's critical path
+        # (picking them out of the register row costs a cross-thread reduction per node)
+        p_path = chain_nodes + (b * n + c) * n
+        ahead = tl.load(p_path + 1, mask=1 < L, other=0)
     else:
         skip = 0
 
@@ -133,7 +137,10 @@ def tree_verify_kernel(
     for t in range(0, L):
         cur, c_q, c_k, c_v, c_g, c_b = node, b_q, b_k, b_v, b_g, b_b
         # prefetch the next node's inputs; they do not depend on the state
-        if HYBRID:
+        if REPLAY:
+            node = ahead
+            ahead = tl.load(p_path + t + 2, mask=t + 2 < L, other=0)
+        elif HYBRID:
             node = _pick(nrow, idx, t + 1)
         else:
             node = cur + 1
