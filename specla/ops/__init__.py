@@ -6,13 +6,14 @@ float64 states always take the torch references (the exactness tests; Triton run
 
 GDN verification (docs/kernels.md):
 - n = 1 or a chain: the serial verifier (state-resident, nothing materialised);
-- any branching topology: the hybrid verifier's replay schedule (heavy-light chains, each
-  extended to the root and recomputing its shared prefix in registers; no state tile goes
-  through memory and no program waits for another).
-Whether the parents form a chain is decided once per parent array (cached on the tensor,
-shared by all layers of a round): free for CPU tensors and n = 1, one host sync on CUDA, and
-none inside a CUDA-graph capture, where the hybrid runs (on a chain it is a single path; it is
-correct for every topology of that size on replay).
+- a branching topology the cost model (`schedule.SERIAL_COST`) expects to be faster serially
+  (few nodes, short chains): the serial verifier in tree mode;
+- any other branching topology: the chain-decomposed hybrid verifier.
+Both decisions are made once per parent array (cached on the tensor, shared by all layers of a
+round): free for CPU tensors and n = 1, one host sync on CUDA, and none inside a CUDA-graph
+capture, where the hybrid runs (on a chain it is a single chain, i.e. the serial loop plus a
+ticket; it is correct for every topology of that size on replay). Its schedule="auto" variant,
+which applies the cost model on the device, is for benchmarks: slower in graph replay.
 The kernel modules are imported on first use so that importing specla never compiles or
 configures Triton.
 """
@@ -77,14 +78,21 @@ CHUNK_MIN_TOKENS = 64
 
 
 def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, chain=False):
-    """chain: the caller promises parents[:, j] = j - 1 (skips the topology check, which
-    inside a CUDA-graph capture cannot look at the parents)."""
+    """chain: the caller promises parents[:, j] = j - 1, which sends the verify to the serial
+    kernel's chain mode without looking at the parents (inside a CUDA-graph capture it could
+    not look, and the hybrid would run the chain as one heavy-light chain)."""
     if not _gdn_triton(state):
         return gdn_ref.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending)
     from specla.ops.gdn import hybrid, schedule, serial
 
-    if chain or schedule.plan_for(parents).is_chain(parents):
+    plan = schedule.plan_for(parents)
+    if chain or plan.is_chain(parents):
         return serial.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, chain=True, **TILING)
+    if plan.prefer_serial(parents):
+        return serial.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, **TILING)
+    # inside a capture nothing is known of the topology: the chain decomposition, not the
+    # in-kernel serial fallback (schedule="auto"), which the H200 timed 1.6-1.8x slower on
+    # 16-node trees in graph replay (kernels.json, hybrid_auto_ms)
     return hybrid.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, **TILING)
 
 

@@ -18,7 +18,7 @@ import tempfile
 
 POINTERS = {
     "parents": "*i64", "chain_nodes": "*i32", "chain_len": "*i32", "light": "*i32", "n_chains": "*i32",
-    "flags": "*i32", "chain_skip": "*i32",
+    "flags": "*i32",
     "plen": "*i64", "path": "*i64", "length": "*i64",
     "x": "*bf16", "conv_state": "*bf16", "weight": "*bf16", "y": "*bf16",
 }
@@ -31,15 +31,13 @@ def variants(H=8, HV=8, K=256, V=256):
     from specla.ops.gdn import commit, parallel, serial
 
     for BV, warps in ((8, 1), (8, 2), (8, 4), (16, 4), (16, 8), (32, 8)):
-        for tree, hybrid, replay, pending, final in (
-                (False, False, False, False, False), (False, False, False, False, True),
-                (True, False, False, True, False), (True, True, False, True, False), (True, True, False, False, False),
-                (False, True, True, True, False), (False, True, True, False, False)):
-            kind = ("replay" if replay else "hybrid" if hybrid else "tree" if tree
-                    else "sequence" if final else "chain")
+        for tree, hybrid, pending, final in ((False, False, False, False), (False, False, False, True),
+                                             (True, False, True, False), (True, True, True, False),
+                                             (True, True, False, False)):
+            kind = "hybrid" if hybrid else "tree" if tree else "sequence" if final else "chain"
             yield (f"verify[{kind}{'+pending' if pending else ''}] BV={BV} w={warps}", serial.tree_verify_kernel,
                    dict(H=H, HV=HV, K=K, V=V, BK=K, BV=BV, NV=V // BV, NP=64, PP=16, TREE=tree, HYBRID=hybrid,
-                        REPLAY=replay, HAS_PENDING=pending, STORE_U=not final, WRITE_FINAL=final), warps)
+                        HAS_PENDING=pending, STORE_U=not final, WRITE_FINAL=final), warps)
     for NT, BV in ((16, 32), (32, 32), (64, 16)):
         yield (f"parallel NT={NT} BV={BV}", parallel._parallel_verify_kernel,
                dict(H=H, HV=HV, K=K, V=V, BKC=16, BV=BV, NV=V // BV, NT=NT), 8)

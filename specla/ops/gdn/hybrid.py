@@ -14,15 +14,9 @@ The schedule is a fixed-size table padded to n chains of n nodes and the grid de
 n, so a verify captured in a CUDA graph replays correctly for any topology of the same size.
 A chain waits for exactly its own boundary node, not for a whole "level" of chains.
 
-`schedule="replay"` (the default) extends every chain up to the root instead: its program
-loads the durable state and replays the chain's ancestors in registers (same inputs, same
-arithmetic, so the same bits as the chain that owns them) without writing them, then verifies
-its own nodes. No boundary tile is stored, no program waits for another and no flags are
-zeroed per launch; the price is recomputing shared prefixes (`specla bench kernels` times
-both schedules, Table 1 of BENCHMARKS.md). With a pending (delayed) update every chain applies it to the
-tile it loaded and the last one to load writes the advanced tile back, counted on a
-self-resetting per-tile counter (`_counters`); launches on one device must therefore not
-overlap, as they do not on the decode loop's single stream.
+`schedule="auto"` lets a cost model (`schedule.SERIAL_COST`) replace a row's chains by one
+serial pass over all its nodes when chains would not pay for their overhead (few nodes, short
+chains); the choice is made on the device, so it also holds inside a CUDA graph.
 """
 
 from __future__ import annotations
@@ -33,39 +27,23 @@ import triton
 from specla.ops.gdn import serial
 from specla.ops.gdn.schedule import plan_for
 
-SCHEDULES = ("replay", "hld")
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Per-tile load counters of the replay schedule; every launch leaves them at zero."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = _COUNTERS[device] = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
-    return buf
+SCHEDULES = ("hld", "auto")
 
 
 def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, *,
-                    block_v: int = 16, num_warps: int = 4, schedule: str = "replay"):
-    """Same contract as `naive.gdn_tree_verify` (fp32 state). schedule: "replay" (heavy-light
-    chains extended to the root) or "hld" (heavy-light chains handing boundary tiles over)."""
+                    block_v: int = 16, num_warps: int = 4, schedule: str = "hld"):
+    """Same contract as `naive.gdn_tree_verify` (fp32 state). schedule: "hld" (heavy-light
+    chains) or "auto" (chains or one serial pass per row, by the cost model)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown hybrid schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
     B, n, HV, V = v.shape
     BV = serial.block_size(V, block_v)
     n_tiles = B * HV * triton.cdiv(V, BV)
-    if schedule == "replay":
-        sched = plan_for(parents).replay(parents)
-        return serial.launch(q, k, v, g, beta, state, parents.contiguous(), scale, pending,
-                             grid=(n * n_tiles,), tree=False, replay=True,
-                             hybrid=(sched.nodes, sched.length, sched.light, sched.count,
-                                     _counters(state.device, n_tiles), sched.skip),
-                             block_v=BV, num_warps=num_warps)
-    sched = plan_for(parents).hld(parents)  # cached on the caller's tensor: once per round
+    sched = plan_for(parents).hld(parents, schedule == "auto")  # cached on the caller's tensor: once per round
     parents = parents.contiguous()
     # ticket counter (slot 0) and one ready flag per (row, node, head, V-tile), zeroed per launch
     flags = torch.zeros(1 + n * n_tiles, dtype=torch.int32, device=state.device)
     return serial.launch(q, k, v, g, beta, state, parents, scale, pending,
                          grid=(n * n_tiles,), tree=True,
-                         hybrid=(sched.nodes, sched.length, sched.light, sched.count, flags, sched.light),
+                         hybrid=(sched.nodes, sched.length, sched.light, sched.count, flags),
                          block_v=BV, num_warps=num_warps)

@@ -6,9 +6,10 @@ host sync, so the same code runs inside a CUDA-graph capture and the schedule re
 - `ancestor_closure`: M̄[b, j, i] = 1 iff i is j or an ancestor of j (the tree mask of the UT form).
 - `hld_schedule`: heavy-light decomposition into node-disjoint chains (the hybrid verifier's
   schedule), equal to `specla.topology.heavy_light_chains` row by row.
-- `replay_schedule`: the same chains, each extended up to the root, so a chain's program
-  recomputes its boundary state from the durable state instead of waiting for it (`skip`:
-  the leading ancestors it replays without writing).
+- `SERIAL_COST`/`prefer_serial`: a cost model that sends a row to one serial pass (one
+  program per V-tile walking every node in index order) when heavy-light chains would not pay
+  for their overhead; `hld_schedule(..., fallback=True)` writes that serial pass as the row's
+  single "chain", so the choice is data too.
 - `plan_for`: a per-parents-tensor cache of the above, so the 24 layers of one verify round
   build the plan once.
 """
@@ -50,7 +51,40 @@ class HybridSchedule:
     length: torch.Tensor  # [B, n]: nodes in chain c; 0 for unused slots
     light: torch.Tensor  # [B, n]: 1 iff node has a child that starts another chain (a boundary)
     count: torch.Tensor  # [1]: the most chains of any row (the launch's grid is padded past it)
-    skip: torch.Tensor | None = None  # [B, n] (replay): leading nodes of chain c replayed, not written
+    serial_rows: torch.Tensor | None = None  # [B] bool: rows scheduled as one serial pass (fallback)
+
+
+# Cost model, in µs per layer at the paper shape (HV = 8, dk = dv = 256, BV = 8, 1 warp), fitted
+# to the H200 run of commit 0e26c50: the serial chain kernel costs ~0.68 µs a node; a node that
+# restores its parent's tile from scratch ~0.77 µs more (Table 1 serial: 23 µs at 17 nodes, 46
+# µs at 33); the hybrid costs ~6.3 µs plus ~0.76 µs a node of total work (programs, boundary
+# traffic: it barely depended on the tree's shape) plus its critical path of chained nodes and
+# chain hops (Table 1 hybrid: 24.5 µs at 17 nodes, 38 µs at 33).
+SERIAL_COST = {"node": 0.68, "restore": 0.77, "hybrid_fixed": 6.3, "hybrid_node": 0.76}
+
+
+def _costs(parents: torch.Tensor, M: torch.Tensor, is_head: torch.Tensor, cost: dict | None = None):
+    """(serial, hybrid) estimated cost per row, [B] each."""
+    c = SERIAL_COST if cost is None else cost
+    B, n = parents.shape
+    idx = torch.arange(n, device=parents.device)
+    restores = (parents[:, 1:] != idx[:-1]).sum(1).float()
+    serial = c["node"] * n + c["restore"] * restores
+    hop = is_head.float().clone()
+    hop[:, 0] = 0.0  # the root chain starts from the state, not from a boundary tile
+    depth = M.sum(2)  # nodes on the path root..j
+    hops = torch.bmm(M, hop[:, :, None])[..., 0]  # chain starts on that path
+    crit = (c["node"] * depth + c["restore"] * hops).amax(1)
+    hybrid = c["hybrid_fixed"] + c["hybrid_node"] * n + crit
+    return serial, hybrid
+
+
+def prefer_serial(parents: torch.Tensor, cost: dict | None = None) -> torch.Tensor:
+    """Bool [B]: the cost model expects one serial pass to beat heavy-light chains on the row."""
+    parents = parents.long()
+    M = ancestor_closure(parents)
+    serial, hybrid = _costs(parents, M, _heads(parents, M)[0], cost)
+    return serial <= hybrid
 
 
 def _heads(parents: torch.Tensor, M: torch.Tensor):
@@ -66,8 +100,14 @@ def _heads(parents: torch.Tensor, M: torch.Tensor):
     return ~heavy, size
 
 
-def hld_schedule(parents: torch.Tensor) -> HybridSchedule:
-    """Heavy-light decomposition of every row (ties: the lower node index is heavy)."""
+def hld_schedule(parents: torch.Tensor, fallback: bool = False, cost: dict | None = None) -> HybridSchedule:
+    """Heavy-light decomposition of every row (ties: the lower node index is heavy).
+
+    fallback: rows the cost model (`SERIAL_COST`) expects to run faster as one serial pass get
+    a single item holding every node in index order (the kernel restores a parent's tile from
+    scratch whenever it is not the node just processed, and `light` marks the serial pass's
+    boundary nodes); `serial_rows` says which rows did.
+    """
     parents = parents.long()
     B, n = parents.shape
     dev = parents.device
@@ -89,33 +129,26 @@ def hld_schedule(parents: torch.Tensor) -> HybridSchedule:
     light.scatter_add_(1, par, is_head[:, 1:].int())
     light.clamp_(max=1)
     chains = is_head.sum(1)
+    serial_rows = torch.zeros(B, dtype=torch.bool, device=dev)
     nodes = nodes.view(B, n, n)
+    if fallback:
+        cs, ch = _costs(parents, M, is_head, cost)
+        serial_rows = cs <= ch
+        s_nodes = torch.zeros(B, n, n, dtype=torch.int32, device=dev)
+        s_nodes[:, 0] = idx.int()
+        s_length = torch.zeros(B, n, dtype=torch.int32, device=dev)
+        s_length[:, 0] = n
+        # serial pass: node p is a boundary iff a child of p is not processed right after it
+        s_light = torch.zeros(B, n, dtype=torch.int32, device=dev)
+        s_light.scatter_add_(1, par, (parents[:, 1:] != idx[:-1]).int())
+        s_light.clamp_(max=1)
+        sel = serial_rows[:, None]
+        nodes = torch.where(sel[:, :, None], s_nodes, nodes)
+        length = torch.where(sel, s_length, length)
+        light = torch.where(sel, s_light, light)
+        chains = torch.where(serial_rows, torch.ones_like(chains), chains)
     count = chains.max().int().reshape(1)
-    return HybridSchedule(nodes, length, light, count)
-
-
-def replay_schedule(parents: torch.Tensor) -> HybridSchedule:
-    """Heavy-light chains extended to the root: nodes[b, c] is the path root..(last node of
-    chain c), skip[b, c] the depth of the chain's head (its ancestors, replayed silently), so
-    every node is still written by exactly one chain. Every chain starts from the durable
-    state: no boundary tile is stored or awaited, and `light` is all zero."""
-    parents = parents.long()
-    hld = hld_schedule(parents)
-    B, n = parents.shape
-    dev = parents.device
-    M = ancestor_closure(parents)
-    used = hld.length > 0
-    last = hld.nodes.long().gather(2, (hld.length.long() - 1).clamp(min=0)[:, :, None])[..., 0]  # [B, n]
-    on_path = M.gather(1, last[:, :, None].expand(B, n, n)) > 0  # [B, chain, node]: node on root..last
-    on_path &= used[:, :, None]
-    # ancestors carry smaller indices than their descendants, so index order is path order:
-    # sorting by (off path, index) lists the path first (slots past `length` are never read)
-    idx = torch.arange(n, device=dev)
-    nodes = torch.where(on_path, idx, n + idx).argsort(dim=2).int()
-    length = on_path.sum(2).int()
-    depth = M.sum(2).long() - 1
-    skip = torch.where(used, depth.gather(1, hld.nodes[:, :, 0].long()), 0).int()
-    return HybridSchedule(nodes, length, torch.zeros_like(hld.light), hld.count, skip=skip)
+    return HybridSchedule(nodes, length, light, count, serial_rows)
 
 
 class Plan:
@@ -130,8 +163,9 @@ class Plan:
         self.captured = captured
         self._chain: bool | None = None
         self._closure: dict[int, torch.Tensor] = {}
-        self._hld: HybridSchedule | None = None
-        self._replay: HybridSchedule | None = None
+        self._hld: dict[bool, HybridSchedule] = {}
+        self._prefer_serial: bool | None = None
+        self._host: torch.Tensor | None = None
 
     def is_chain(self, parents: torch.Tensor) -> bool | None:
         """True/False, or None when unknowable without a host sync (inside a graph capture).
@@ -145,23 +179,34 @@ class Plan:
             elif self.captured:
                 return None
             else:
-                self._chain = bool((parents.cpu()[:, 1:] == torch.arange(n - 1)).all())
+                host = self._host_copy(parents)
+                self._chain = bool((host[:, 1:] == torch.arange(n - 1)).all())
         return self._chain
+
+    def _host_copy(self, parents: torch.Tensor) -> torch.Tensor:
+        """The parents on the host: one sync for CUDA, shared by `is_chain` and `prefer_serial`."""
+        if self._host is None:
+            self._host = parents.cpu()
+        return self._host
 
     def closure(self, parents: torch.Tensor, width: int) -> torch.Tensor:
         if width not in self._closure:
             self._closure[width] = ancestor_closure(parents, width)
         return self._closure[width]
 
-    def hld(self, parents: torch.Tensor) -> HybridSchedule:
-        if self._hld is None:
-            self._hld = hld_schedule(parents)
-        return self._hld
+    def hld(self, parents: torch.Tensor, fallback: bool = False) -> HybridSchedule:
+        if fallback not in self._hld:
+            self._hld[fallback] = hld_schedule(parents, fallback)
+        return self._hld[fallback]
 
-    def replay(self, parents: torch.Tensor) -> HybridSchedule:
-        if self._replay is None:
-            self._replay = replay_schedule(parents)
-        return self._replay
+    def prefer_serial(self, parents: torch.Tensor) -> bool | None:
+        """Whether every row is expected faster on the serial verifier; None inside a capture.
+        Computed on a host copy of the parents (the one host sync `is_chain` also pays)."""
+        if self._prefer_serial is None:
+            if self.captured:
+                return None
+            self._prefer_serial = bool(prefer_serial(self._host_copy(parents)).all())
+        return self._prefer_serial
 
 
 def plan_for(parents: torch.Tensor) -> Plan:

@@ -42,24 +42,18 @@ def _pick(vec, idx, i):
 @triton.jit(do_not_specialize=["n", "P", "n_tiles"])
 def tree_verify_kernel(
     q, k, v, g, beta, state, o, u, parents, scratch,
-    chain_nodes, chain_len, light, n_chains, flags, chain_skip,
+    chain_nodes, chain_len, light, n_chains, flags,
     pk, pg, pu, plen,
     scale, n, P, n_tiles,
     s_qb, s_qn, s_kb, s_kn, s_vb, s_vn,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, NP: tl.constexpr, PP: tl.constexpr,
-    TREE: tl.constexpr, HYBRID: tl.constexpr, REPLAY: tl.constexpr, HAS_PENDING: tl.constexpr,
+    TREE: tl.constexpr, HYBRID: tl.constexpr, HAS_PENDING: tl.constexpr,
     STORE_U: tl.constexpr, WRITE_FINAL: tl.constexpr,
 ):
     """TREE=False: nodes form a chain (parents ignored). TREE, not HYBRID: all n nodes in one
-    program per tile (serial verifier). HYBRID: one program per (chain, tile), see hybrid.py;
-    with REPLAY (and TREE=False) each chain is a root-to-leaf path whose first `chain_skip`
-    nodes are replayed without writing, and `flags` holds one self-resetting counter per tile."""
-    if REPLAY:
-        # every program starts from the durable state: no order among them is needed
-        c = tl.program_id(0) // n_tiles
-        r = tl.program_id(0) % n_tiles
-    elif HYBRID:
+    program per tile (serial verifier). HYBRID: one program per (chain, tile), see hybrid.py."""
+    if HYBRID:
         # Work items are handed out in ticket order, chain-major, and chains are ranked
         # topologically: every item waits only on items with smaller tickets, all of which
         # belong to programs already running, so the spin-waits below cannot deadlock.
@@ -87,14 +81,6 @@ def tree_verify_kernel(
     else:
         L = n
         node = tl.program_id(0) * 0  # a tensor, like the hybrid's: it is loop-carried
-    if REPLAY:
-        skip = tl.load(chain_skip + b * n + c, mask=c < n, other=0)
-        # node ids come from scalar loads two nodes ahead, off the recurrence's critical path
-        # (picking them out of the register row costs a cross-thread reduction per node)
-        p_path = chain_nodes + (b * n + c) * n
-        ahead = tl.load(p_path + 1, mask=1 < L, other=0)
-    else:
-        skip = 0
 
     o_k = tl.arange(0, BK)
     o_v = vt * BV + tl.arange(0, BV)
@@ -122,25 +108,12 @@ def tree_verify_kernel(
             S = advance_tile(S, b, hv, i_h, pk, pg, pu, plen, plen, P, P, o_k, mk, o_v, mv,
                              H, HV, K, V, PP, False)
             if tl.load(plen + b) > 0:  # an empty pending buffer leaves the state as it is
-                if REPLAY:
-                    # every chain of the row loaded this tile; the last to count its load writes
-                    # the advanced tile back (all computed the same bits) and resets the counter
-                    chains = tl.sum((tl.load(chain_len + b * n + idx, mask=idx < n, other=0) > 0).to(tl.int32), 0)
-                    tl.debug_barrier()  # every thread's load is done before it is counted
-                    seen = tl.atomic_add(flags + r, 1, sem="acq_rel")
-                    if seen + 1 == chains:
-                        tl.store(p_S, S, mask=m_S)
-                        tl.atomic_xchg(flags + r, 0)
-                else:
-                    tl.store(p_S, S, mask=m_S)
+                tl.store(p_S, S, mask=m_S)
     prev = node * 0 - 1
     for t in range(0, L):
         cur, c_q, c_k, c_v, c_g, c_b = node, b_q, b_k, b_v, b_g, b_b
         # prefetch the next node's inputs; they do not depend on the state
-        if REPLAY:
-            node = ahead
-            ahead = tl.load(p_path + t + 2, mask=t + 2 < L, other=0)
-        elif HYBRID:
+        if HYBRID:
             node = _pick(nrow, idx, t + 1)
         else:
             node = cur + 1
@@ -171,10 +144,9 @@ def tree_verify_kernel(
         S = decay_update(S, gamma, c_k, b_u)
         b_o = (gamma * qS + qk * b_u) * scale
         p_out = ((b * n + cur) * HV + hv).to(tl.int64) * V + o_v
-        own = mv & (t >= skip)  # a replayed ancestor belongs to another chain
-        tl.store(o + p_out, b_o, mask=own)
+        tl.store(o + p_out, b_o, mask=mv)
         if STORE_U:
-            tl.store(u + p_out, b_u, mask=own)
+            tl.store(u + p_out, b_u, mask=mv)
 
         if TREE:
             if HYBRID:
@@ -201,9 +173,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def launch(q, k, v, g, beta, state, parents, scale, pending, *, grid, tree, hybrid=None,
-           replay=False, store_u=True, write_final=False, block_v, num_warps):
-    """Allocate outputs and run `tree_verify_kernel`; returns (o, u). hybrid: (chain nodes,
-    lengths, light, count, flags, skip) tables; replay: they are root-to-leaf paths."""
+           store_u=True, write_final=False, block_v, num_warps):
+    """Allocate outputs and run `tree_verify_kernel`; returns (o, u)."""
     B, n, HV, V = v.shape
     H, K = k.shape[2], k.shape[3]
     dev = state.device
@@ -213,14 +184,14 @@ def launch(q, k, v, g, beta, state, parents, scale, pending, *, grid, tree, hybr
     # boundary tiles, indexed by node id; allocation only: just the boundaries are written
     scratch = torch.empty(B, n, HV, K, V, dtype=torch.float32, device=dev) if tree else o
     pk, pg, pu, plen, P, PP, has_pending = pending_args(pending, dev)
-    sched = (parents,) * 6 if hybrid is None else hybrid
+    sched = (parents,) * 5 if hybrid is None else hybrid
     tree_verify_kernel[grid](
         q, k, v, g.contiguous(), beta.contiguous(), state, o, u, parents, scratch, *sched,
         pk, pg, pu, plen, scale, n, P, B * HV * triton.cdiv(V, block_v),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=block_v, NV=triton.cdiv(V, block_v),
-        NP=triton.next_power_of_2(n) if tree or hybrid is not None else 1, PP=PP, TREE=tree,
-        HYBRID=hybrid is not None, REPLAY=replay, HAS_PENDING=has_pending, STORE_U=store_u, WRITE_FINAL=write_final, num_warps=num_warps)
+        NP=triton.next_power_of_2(n) if tree else 1, PP=PP, TREE=tree, HYBRID=hybrid is not None,
+        HAS_PENDING=has_pending, STORE_U=store_u, WRITE_FINAL=write_final, num_warps=num_warps)
     return o, u
 
 
