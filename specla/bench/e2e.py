@@ -228,9 +228,12 @@ def run(model_dir=None, suites=SUITES, routes=BASE_ROUTES, limit: int | None = N
     # on the longest prompt (a longer one later would build a new target)
     unique = {(suite, p.id): p for _, suite, p, _ in todo}.values()  # each prompt once, not once per route
     longest = max(unique, key=lambda p: len(lm.encode_prompt(p.turns[0])), default=None)
-    for route in routes:
+    for route in tqdm(routes, desc="warm-up (compile, autotune, capture)", unit="route"):
+        t0 = time.perf_counter()
         lm.generate(longest.turns[0] if longest else "warm up", max_new_tokens=max_new_tokens,
                     **_route_kwargs(route))
+        tqdm.write(f"warm-up {route}: {time.perf_counter() - t0:.1f} s")
+    tqdm.write(f"loaded and warmed up in {time.time() - start:.0f} s; {len(todo)} generations to run")
     stopped = False
     device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     env = environment()
