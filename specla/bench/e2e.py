@@ -5,7 +5,8 @@ commit); `chain` (8-token chains of the trained drafter); `tree` (≤ 16 nodes, 
 trained drafter); `ngram` (prompt lookup, trees). Per suite (`mixed` 480, `gsm8k` 1,319,
 `humaneval` 164) each prompt is generated once per route; the speedup is AR's summed latency
 over the route's summed latency on the same prompts, with a 95% bootstrap interval over
-prompts, beside mean accepted length (τ: tokens per round), first-token match and the
+prompts (and the same without prefill: `decode_speedup`), beside mean accepted length (τ:
+tokens per round), first-token match and the
 fraction of prompts whose output equals AR's exactly. A route name with `+exact` runs in
 exact mode (`docs/exact.md`): its speedup is still over plain `ar` (the fastest AR), its
 output is compared with `ar+exact`'s when that route ran (else with `ar`'s).
@@ -70,12 +71,15 @@ def _summarise(records: dict, route: str) -> dict:
         return {"prompts": 0}
     lat_ar = [ar[i]["seconds"] for i in ids]
     lat = [rt[i]["seconds"] for i in ids]
+    dec_ar = [ar[i]["decode_seconds"] for i in ids]  # without prefill (and target setup)
+    dec = [rt[i]["decode_seconds"] for i in ids]
     tau = [rt[i]["mean_accepted_length"] for i in ids]
     ftm = [rt[i]["first_token_match"] for i in ids if rt[i]["first_token_match"] is not None]
     exact = [float(rt[i]["tokens"] == ref[i]["tokens"]) for i in ids]
     out = {
         "prompts": len(ids),
         "speedup": sum(lat_ar) / sum(lat), "speedup_ci95": bootstrap_ratio(lat_ar, lat),
+        "decode_speedup": sum(dec_ar) / sum(dec), "decode_speedup_ci95": bootstrap_ratio(dec_ar, dec),
         "mean_accepted_length": sum(tau) / len(tau), "mean_accepted_length_ci95": bootstrap_mean(tau),
         "first_token_match": sum(ftm) / len(ftm) if ftm else None,
         "first_token_match_ci95": bootstrap_mean(ftm) if ftm else None,
@@ -99,8 +103,9 @@ def plot(result: dict, path: Path) -> None:
 
     suites = [s for s in SUITES if s in result["suites"]]
     routes = [r for r in ROUTES if r != "ar" and any(result["suites"][s].get(r, {}).get("prompts") for s in suites)]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.2 + 0.3 * len(routes)))
-    for ax, (key, label) in zip(axes, [("speedup", "speedup over AR"), ("mean_accepted_length", "accepted length τ"),
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.2 + 0.3 * len(routes)))
+    for ax, (key, label) in zip(axes, [("speedup", "speedup over AR"), ("decode_speedup", "speedup, prefill excluded"),
+                                       ("mean_accepted_length", "accepted length τ"),
                                        ("first_token_match", "first-token match")]):
         for k, suite in enumerate(suites):
             for j, route in enumerate(routes):
@@ -114,7 +119,7 @@ def plot(result: dict, path: Path) -> None:
         ax.set_yticks([k * (len(routes) + 1) + (len(routes) - 1) / 2 for k in range(len(suites))], suites)
         ax.set_title(label)
         ax.invert_yaxis()
-        if key == "speedup":
+        if key.endswith("speedup"):
             ax.axvline(1.0, color="grey", lw=0.8, ls=":")
     axes[0].legend(fontsize=8)
     fig.suptitle(f"end-to-end greedy decoding, {result['max_new_tokens']} new tokens, {result['device']}")
@@ -187,7 +192,7 @@ def _print(result: dict) -> None:
 
     t = Table(title=f"end-to-end greedy decoding, {result['max_new_tokens']} new tokens "
                     f"({result.get('device', '?')}, {result.get('dtype', '?')})")
-    for c in ("suite", "route", "prompts", "speedup over AR [95% CI]", "τ", "first-token match",
+    for c in ("suite", "route", "prompts", "speedup over AR [95% CI]", "decode only", "τ", "first-token match",
               "outputs equal (reference)"):
         t.add_column(c)
     for suite, routes in result["suites"].items():
@@ -197,6 +202,7 @@ def _print(result: dict) -> None:
             lo, hi = r["speedup_ci95"]
             ftm = r.get("first_token_match")
             t.add_row(suite, route, str(r["prompts"]), f"{r['speedup']:.3f} [{lo:.3f}, {hi:.3f}]",
+                      f"{r['decode_speedup']:.3f}",
                       f"{r['mean_accepted_length']:.2f}", "" if ftm is None else f"{ftm:.2f}",
                       f"{100 * r['exact_match_rate']:.1f}% ({r['exact_reference']})")
     Console(width=140).print(t)
