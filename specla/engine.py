@@ -121,7 +121,7 @@ class EagerTarget:
 
         `valid` [B]: real nodes per row; the rest is padding acceptance ignores. `chain`: the
         topology is a chain (`Model.verify`)."""
-        out = self.model.verify(tokens, parents, self.cache, capture, chain)
+        out = self.model.verify(tokens, parents, self.cache, capture, chain, valid)
         acc = acceptance.greedy(tokens, parents, out.logits, valid) if greedy else None
         return out, acc
 
@@ -257,7 +257,7 @@ class GraphTarget(EagerTarget):
         key = ("verify", tuple(capture), chain)
 
         def run():
-            out = self.model.verify(self.tokens, self.parents, self.cache, capture, chain)
+            out = self.model.verify(self.tokens, self.parents, self.cache, capture, chain, self.valid)
             return out, self._accept(self.tokens, self.parents, out.logits, self.valid)
 
         graph, (out, acc) = self.graphs.get(key) or self._capture(key, run)
@@ -291,7 +291,7 @@ class GraphTarget(EagerTarget):
         key = ("round", tuple(capture), chain)
 
         def run():
-            out = self.model.verify(self.tokens, self.parents, self.cache, capture, chain)
+            out = self.model.verify(self.tokens, self.parents, self.cache, capture, chain, self.valid)
             acc = self._accept(self.tokens, self.parents, out.logits, self.valid)
             settled = self._settle(self.tokens, self.parents, self.valid, out.logits, out.hidden, acc)
             self.cache.commit(out.records, acc.path, settled.count, self.delayed)

@@ -429,7 +429,7 @@ class FusedModel:
             self.shapes.add(key)
         return True
 
-    def run(self, tokens, cache, capture=(), parents=None, chain=False):
+    def run(self, tokens, cache, capture=(), parents=None, chain=False, valid=None):
         """forward (parents None: consume the tokens, advance the cache) or verify (`chain`:
         the topology is a chain, `Model.verify`)."""
         from specla.model import ModelOutput
@@ -460,7 +460,7 @@ class FusedModel:
                 x = settle(x, r, want)
                 r, want = None, None
                 # a block the fused path does not cover (attention mixer, MoE MLP): Model's own code
-                x, rec = blk.run(x, st, cache.length, parents, chain)
+                x, rec = blk.run(x, st, cache.length, parents, chain, valid)
                 records.append(rec)
                 if i in capture:
                     hidden[i] = x
@@ -487,7 +487,7 @@ class FusedModel:
             if parents is None:
                 o = ops.gdn_sequence(q, k, v, g, beta, st.S, mix.scale)
             else:
-                o, u = ops.gdn_tree_verify(q, k, v, g, beta, st.S, parents, mix.scale, st.pending, chain)
+                o, u = ops.gdn_tree_verify(q, k, v, g, beta, st.S, parents, mix.scale, st.pending, chain, valid)
                 if st.pending is not None and i not in banked:  # folded into S by the verify
                     st.pending[3].zero_()
                 records.append(GDNRecord(x=xp if st.conv is not None else None, k=k, g=g, u=u))
@@ -510,5 +510,5 @@ class FusedModel:
     def forward(self, tokens, cache, capture=()):
         return self.run(tokens, cache, capture)
 
-    def verify(self, tokens, parents, cache, capture=(), chain=False):
-        return self.run(tokens, cache, capture, parents, chain)
+    def verify(self, tokens, parents, cache, capture=(), chain=False, valid=None):
+        return self.run(tokens, cache, capture, parents, chain, valid)

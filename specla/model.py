@@ -134,14 +134,14 @@ class GatedDeltaNet(nn.Module):
         q, k, v, g, beta = self._factors(xc, a, b, torch.float32)
         return self._output(gdn_train(q, k, v, g, beta, self.scale).float(), z, h.dtype)
 
-    def verify(self, h, parents, st: GDNLayerState, chain: bool = False):
+    def verify(self, h, parents, st: GDNLayerState, chain: bool = False, valid=None):
         x, z, a, b = self._project(h)
         if st.conv is not None:
             xc = ops.tree_conv(x, st.conv, self.conv_weight, self.conv_bias, parents)
         else:
             xc = F.silu(x)
         q, k, v, g, beta = self._factors(xc, a, b, st.S.dtype)
-        o, u = ops.gdn_tree_verify(q, k, v, g, beta, st.S, parents, self.scale, st.pending, chain)
+        o, u = ops.gdn_tree_verify(q, k, v, g, beta, st.S, parents, self.scale, st.pending, chain, valid)
         if st.pending is not None:  # folded into S by the verify
             st.pending[3].zero_()
         rec = GDNRecord(x=x if st.conv is not None else None, k=k, g=g, u=u)
@@ -173,7 +173,7 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, zc)
         self.mlp = make_mlp(cfg, layer)
 
-    def run(self, x, st, cache_length, parents=None, chain=False):
+    def run(self, x, st, cache_length, parents=None, chain=False, valid=None):
         """The block on x: a plain sequence (parents None; advances `st`) or a verify of the
         topology `parents` (`Model.verify`). Returns (x, the verify's record or None)."""
         h = self.attn_norm(x)
@@ -182,7 +182,7 @@ class Block(nn.Module):
             o, rec = (self.mixer(h, st, cache_length) if kv else self.mixer(h, st)), None
         else:
             o, rec = (self.mixer.verify(h, parents, st, cache_length, chain) if kv
-                      else self.mixer.verify(h, parents, st, chain))
+                      else self.mixer.verify(h, parents, st, chain, valid))
         x = x + o
         return x + self.mlp(self.mlp_norm(x)), rec
 
@@ -255,16 +255,18 @@ class Model(nn.Module):
 
     @torch.no_grad()
     def verify(self, tokens: torch.Tensor, parents: torch.Tensor, cache: Cache,
-               capture: tuple[int, ...] = (), chain: bool = False) -> ModelOutput:
+               capture: tuple[int, ...] = (), chain: bool = False, valid=None) -> ModelOutput:
         """Score every node of the topology `parents` [B, n] (node 0 = root) from `cache`.
-        `chain`: the caller promises a chain (attention then reads keys in position order)."""
+        `chain`: the caller promises a chain (attention then reads keys in position order).
+        `valid` [B]: real nodes per row; the rest is padding (`engine.pad_draft`) whose outputs
+        nobody reads, which lets the GDN recurrence stop early."""
         fused = getattr(self, "_fused", None)
         if fused is not None and fused.takes(tokens, verify=True):
-            return fused.verify(tokens, parents, cache, capture, chain)
+            return fused.verify(tokens, parents, cache, capture, chain, valid)
         x = self.embeddings(tokens)
         hidden, records = {}, []
         for i, blk in enumerate(self.layers):
-            x, rec = blk.run(x, cache.layers[i], cache.length, parents, chain)
+            x, rec = blk.run(x, cache.layers[i], cache.length, parents, chain, valid)
             records.append(rec)
             if i in capture:
                 hidden[i] = x

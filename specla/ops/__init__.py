@@ -77,19 +77,22 @@ def _gdn_triton(state: torch.Tensor) -> bool:
 CHUNK_MIN_TOKENS = 64
 
 
-def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, chain=False):
+def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, chain=False, valid=None):
     """chain: the caller promises parents[:, j] = j - 1, which sends the verify to the serial
     kernel's chain mode without looking at the parents (inside a CUDA-graph capture it could
-    not look, and the hybrid would run the chain as one heavy-light chain)."""
+    not look, and the hybrid would run the chain as one heavy-light chain). valid [B]: real
+    nodes per row, the rest padding whose outputs nobody reads (`naive.gdn_tree_verify`); the
+    serial kernel stops its recurrence there."""
     if not _gdn_triton(state):
-        return gdn_ref.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending)
+        return gdn_ref.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, valid)
     from specla.ops.gdn import hybrid, schedule, serial
 
     plan = schedule.plan_for(parents)
     if chain or plan.is_chain(parents):
-        return serial.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, chain=True, **TILING)
+        return serial.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, valid, chain=True,
+                                      **TILING)
     if plan.prefer_serial(parents):
-        return serial.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, **TILING)
+        return serial.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, valid, **TILING)
     # inside a capture nothing is known of the topology: the chain decomposition, not the
     # in-kernel serial fallback (schedule="auto"), which the H200 timed 1.6-1.8x slower on
     # 16-node trees in graph replay (kernels.json, hybrid_auto_ms)

@@ -19,7 +19,7 @@ import tempfile
 POINTERS = {
     "parents": "*i64", "chain_nodes": "*i32", "chain_len": "*i32", "light": "*i32", "n_chains": "*i32",
     "flags": "*i32",
-    "plen": "*i64", "path": "*i64", "length": "*i64",
+    "plen": "*i64", "valid": "*i64", "path": "*i64", "length": "*i64",
     "x": "*bf16", "conv_state": "*bf16", "weight": "*bf16", "y": "*bf16",
 }
 SCALARS = {"scale": "fp32", "n": "i32", "P": "i32", "C": "i32", "n_tiles": "i32"}
@@ -37,7 +37,8 @@ def variants(H=8, HV=8, K=256, V=256):
             kind = "hybrid" if hybrid else "tree" if tree else "sequence" if final else "chain"
             yield (f"verify[{kind}{'+pending' if pending else ''}] BV={BV} w={warps}", serial.tree_verify_kernel,
                    dict(H=H, HV=HV, K=K, V=V, BK=K, BV=BV, NV=V // BV, NP=64, PP=16, TREE=tree, HYBRID=hybrid,
-                        HAS_PENDING=pending, STORE_U=not final, WRITE_FINAL=final), warps)
+                        HAS_PENDING=pending, STORE_U=not final, WRITE_FINAL=final,
+                        HAS_VALID=not tree and not hybrid and not final), warps)
     for NT, BV in ((16, 32), (32, 32), (64, 16)):
         yield (f"parallel NT={NT} BV={BV}", parallel._parallel_verify_kernel,
                dict(H=H, HV=HV, K=K, V=V, BKC=16, BV=BV, NV=V // BV, NT=NT), 8)

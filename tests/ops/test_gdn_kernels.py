@@ -381,3 +381,27 @@ def test_verify_tiling_from_environment(monkeypatch):
     monkeypatch.setenv("SPECLA_VERIFY_TILING", "8")
     with pytest.raises(ValueError, match="BV,WARPS"):
         ops._tiling_from_env()
+
+
+@pytest.mark.parametrize("chain", [True, False])
+def test_serial_kernel_stops_at_valid(chain, poison):
+    """Padding past valid[b] (a fixed-width verify): real nodes equal the reference, padding
+    nodes come back as zeros on both, and a pending update is still applied in full."""
+    B, n, H, HV, K, V = 2, 9, 1, 2, 16, 16
+    par = topology.chain(n).expand(B, -1).contiguous() if chain else \
+        torch.tensor([parents_of("beam", 6, 3) + [5, 6, 7], parents_of("deep", 5, 4) + [4, 5, 6, 7]])
+    q, k, v, g, beta, S = inputs(B, n, H, HV, K, V, 21)
+    pend = pending_of(B, 3, H, HV, K, V, 21)
+    valid = torch.tensor([6, 5]) if not chain else torch.tensor([1, 7])
+    S_ref, S_out = S.clone(), S.clone()
+    ro, ru = naive.gdn_tree_verify(q, k, v, g, beta, S_ref, par, 0.25, pend, valid)
+    o, u = serial.gdn_tree_verify(q, k, v, g, beta, S_out, par, 0.25, pend, valid, chain=chain,
+                                  block_v=8, num_warps=1)
+    full, _ = naive.gdn_tree_verify(q, k, v, g, beta, S.clone(), par, 0.25, pend)
+    for b in range(B):
+        m = int(valid[b])
+        close(o[b, :m], full[b, :m], "real nodes, o")
+        assert not o[b, m:].any() and not u[b, m:].any() and not ro[b, m:].any() and not ru[b, m:].any()
+    close(o, ro, "o")
+    close(u, ru, "u")
+    close(S_out, S_ref, "state")

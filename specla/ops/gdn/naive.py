@@ -63,7 +63,7 @@ def gdn_commit(state, k, g, u, path, length):
         state.add_(kp[:, i, :, :, None] * up[:, i, :, None, :])
 
 
-def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None):
+def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, valid=None):
     """Verify a topology from the durable state (DESIGN §2).
 
     Every node j starts from the state after its parent (S0 for the root), so it sees exactly
@@ -72,6 +72,11 @@ def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None):
 
     `pending = (k, g, u, length)`, a gathered accepted path from the previous round (delayed
     update, path = 0..P-1), is first applied to `state` in place; nothing else is written.
+
+    `valid` [B]: nodes j >= valid[b] are padding (`engine.pad_draft`; no real node lies below
+    one). Nothing may read their o and u: this reference and the serial kernel write zeros
+    there without running their recurrence; the hybrid kernel takes no `valid` and computes
+    them like any node.
     """
     if pending is not None:
         pk, pg, pu, plen = pending
@@ -96,4 +101,8 @@ def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None):
         S = S + k[:, j, :, :, None] * u[:, j, :, None, :]
         states.append(S)
         o[:, j] = (S * q[:, j, :, :, None]).sum(-2) * scale
+    if valid is not None:
+        pad = torch.arange(n, device=v.device)[None, :] >= valid.to(v.device)[:, None]  # [B, n]
+        o.masked_fill_(pad[:, :, None, None], 0.0)
+        u.masked_fill_(pad[:, :, None, None], 0.0)
     return o, u

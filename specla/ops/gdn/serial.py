@@ -17,6 +17,10 @@ memory latency behind the recurrence.
 `pending = (k, g, u, length)` (delayed update, SpecLA §5.2): the tile is advanced along the
 pending accepted path right after it is loaded, written back to `state` (the durable state now
 includes the previous round's commit), and verification continues from the advanced tile.
+
+`valid` [B] (chains and the serial tree pass): nodes j >= valid[b] are padding of a fixed-width
+verify (`engine.pad_draft`); the recurrence stops there and their o and u are written as zeros.
+Nodes are visited in index order, so no real node depends on a padding node.
 """
 
 from __future__ import annotations
@@ -43,13 +47,13 @@ def _pick(vec, idx, i):
 def tree_verify_kernel(
     q, k, v, g, beta, state, o, u, parents, scratch,
     chain_nodes, chain_len, light, n_chains, flags,
-    pk, pg, pu, plen,
+    pk, pg, pu, plen, valid,
     scale, n, P, n_tiles,
     s_qb, s_qn, s_kb, s_kn, s_vb, s_vn,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, NP: tl.constexpr, PP: tl.constexpr,
     TREE: tl.constexpr, HYBRID: tl.constexpr, HAS_PENDING: tl.constexpr,
-    STORE_U: tl.constexpr, WRITE_FINAL: tl.constexpr,
+    STORE_U: tl.constexpr, WRITE_FINAL: tl.constexpr, HAS_VALID: tl.constexpr,
 ):
     """TREE=False: nodes form a chain (parents ignored). TREE, not HYBRID: all n nodes in one
     program per tile (serial verifier). HYBRID: one program per (chain, tile), see hybrid.py."""
@@ -80,6 +84,8 @@ def tree_verify_kernel(
         node = _pick(nrow, idx, 0)
     else:
         L = n
+        if HAS_VALID:
+            L = tl.minimum(tl.maximum(tl.load(valid + b).to(tl.int32), 0), n)
         node = tl.program_id(0) * 0  # a tensor, like the hybrid's: it is loop-carried
 
     o_k = tl.arange(0, BK)
@@ -163,6 +169,12 @@ def tree_verify_kernel(
 
     if WRITE_FINAL:
         tl.store(p_S, S, mask=m_S)
+    if HAS_VALID:  # padding nodes: defined outputs (zeros) without their recurrence
+        for t in range(L, n):
+            p_out = ((b * n + t) * HV + hv).to(tl.int64) * V + o_v
+            tl.store(o + p_out, tl.zeros([BV], dtype=tl.float32), mask=mv)
+            if STORE_U:
+                tl.store(u + p_out, tl.zeros([BV], dtype=tl.float32), mask=mv)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -173,7 +185,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def launch(q, k, v, g, beta, state, parents, scale, pending, *, grid, tree, hybrid=None,
-           store_u=True, write_final=False, block_v, num_warps):
+           store_u=True, write_final=False, valid=None, block_v, num_warps):
     """Allocate outputs and run `tree_verify_kernel`; returns (o, u)."""
     B, n, HV, V = v.shape
     H, K = k.shape[2], k.shape[3]
@@ -187,11 +199,12 @@ def launch(q, k, v, g, beta, state, parents, scale, pending, *, grid, tree, hybr
     sched = (parents,) * 5 if hybrid is None else hybrid
     tree_verify_kernel[grid](
         q, k, v, g.contiguous(), beta.contiguous(), state, o, u, parents, scratch, *sched,
-        pk, pg, pu, plen, scale, n, P, B * HV * triton.cdiv(V, block_v),
+        pk, pg, pu, plen, plen if valid is None else valid, scale, n, P, B * HV * triton.cdiv(V, block_v),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=block_v, NV=triton.cdiv(V, block_v),
         NP=triton.next_power_of_2(n) if tree else 1, PP=PP, TREE=tree, HYBRID=hybrid is not None,
-        HAS_PENDING=has_pending, STORE_U=store_u, WRITE_FINAL=write_final, num_warps=num_warps)
+        HAS_PENDING=has_pending, STORE_U=store_u, WRITE_FINAL=write_final, HAS_VALID=valid is not None,
+        num_warps=num_warps)
     return o, u
 
 
@@ -199,7 +212,7 @@ def block_size(V: int, block_v: int) -> int:
     return min(block_v, triton.next_power_of_2(V))
 
 
-def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, *,
+def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, valid=None, *,
                     chain: bool = False, block_v: int = 16, num_warps: int = 4):
     """Same contract as `naive.gdn_tree_verify` (fp32 state). `chain=True` promises
     parents[:, j] = j - 1, which skips the topology bookkeeping."""
@@ -207,7 +220,8 @@ def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, *,
     BV = block_size(V, block_v)
     grid = (B * HV * triton.cdiv(V, BV),)
     return launch(q, k, v, g, beta, state, parents.contiguous(), scale, pending, grid=grid,
-                  tree=not chain, block_v=BV, num_warps=num_warps)
+                  tree=not chain, valid=None if valid is None else valid.contiguous(),
+                  block_v=BV, num_warps=num_warps)
 
 
 def gdn_chain_sequence(q, k, v, g, beta, state, scale, *, block_v: int = 16, num_warps: int = 4):
