@@ -135,12 +135,21 @@ def bench_rounds(
     profile: bool = typer.Option(True, help="Also profile one generation per route (kernels per round)."),
     compile: Optional[str] = typer.Option(None, "--compile", help="default | max-autotune: the fused decode path "
                                           "(SPECLA_COMPILE=1 does the same)."),
+    warm_routes: str = typer.Option("", help="Routes that generate once, untimed, before any timing (the "
+                                    "process history of `bench e2e`), e.g. ar,fla,chain,ngram."),
+    name: str = typer.Option("rounds", help="Result file stem."),
     out: Path = typer.Option(Path("benchmarks/results")),
 ):
     """Where a round's time goes (GPU): drafter propose/extend, target verify/commit, the loop's own work."""
+    from specla.bench.e2e import ROUTES
     from specla.bench.rounds import run
 
-    run(model, tuple(routes.split(",")), suite, n_prompts, max_new_tokens, device, dtype, out, profile, compile)
+    warm = tuple(r for r in warm_routes.split(",") if r)
+    bad = [r for r in (*routes.split(","), *warm) if r not in ROUTES]
+    if bad:
+        raise InputError(f"unknown route(s) {', '.join(bad)}: choose from {', '.join(ROUTES)}")
+    run(model, tuple(routes.split(",")), suite, n_prompts, max_new_tokens, device, dtype, out, profile, compile,
+        warm, name)
 
 
 @bench_app.command("decode")

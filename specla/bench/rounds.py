@@ -10,6 +10,12 @@ time spent issuing it. Each route runs twice in the same process: running ahead 
 a round's wall time minus its phases is the loop's own work (the host read, Python);
 running ahead, that work overlaps the next round and the wall time per round is what counts.
 One more generation per route runs under torch.profiler for kernels and GPU busy time per round.
+
+`warm_routes`: routes that each generate once, untimed, before anything is timed, so a route
+can be timed in a process with the history `bench e2e`'s has (every route of a prompt back to
+back in one process). The tree route ran 1.41× slower per round there than alone (BENCHMARKS.md,
+end-to-end section); `--warm-routes ar,fla,chain,ngram --routes tree` against `--routes tree`
+isolates that.
 """
 
 from __future__ import annotations
@@ -76,7 +82,7 @@ class _Timer:
 
 def run(model_dir=None, routes=("ar", "chain", "tree", "ngram"), suite: str = "mixed", n_prompts: int = 8,
         max_new_tokens: int = 128, device: str = "auto", dtype: str = "auto", out_dir=RESULTS,
-        profile: bool = True, compile: str | None = None) -> dict:
+        profile: bool = True, compile: str | None = None, warm_routes=(), name: str = "rounds") -> dict:
     import specla.api as api
     from specla.bench.decode import _profile_fn
     from specla.data.suites import load_suite
@@ -85,6 +91,8 @@ def run(model_dir=None, routes=("ar", "chain", "tree", "ngram"), suite: str = "m
     if lm.model.device.type != "cuda":
         raise SystemExit("bench rounds times CUDA work: run it on a GPU")
     prompts = [p.turns[0] for p in load_suite(suite, limit=n_prompts)]
+    for route in warm_routes:
+        lm.generate(prompts[0], max_new_tokens=max_new_tokens, **_route_kwargs(route))
     rows = []
     for route, pipeline in [(r, p) for r in routes for p in (True, False)]:
         kw = dict(_route_kwargs(route), pipeline=pipeline)
@@ -126,8 +134,8 @@ def run(model_dir=None, routes=("ar", "chain", "tree", "ngram"), suite: str = "m
         rows.append(row)
     _print(rows)
     result = {"model": str(lm.model_dir), "suite": suite, "max_new_tokens": max_new_tokens,
-              "dtype": str(lm.model.dtype).replace("torch.", ""), "routes": rows}
-    write_results("rounds", result, Path(out_dir))
+              "dtype": str(lm.model.dtype).replace("torch.", ""), "warm_routes": list(warm_routes), "routes": rows}
+    write_results(name, result, Path(out_dir))
     return result
 
 
