@@ -124,6 +124,13 @@ def test_e2e_shards_resume_and_summary(tmp_path, capsys):
             assert s["exact_reference"] == ("ar+exact" if route == "chain+exact" else "ar")
             lo, hi = s["speedup_ci95"]
             assert lo <= s["speedup"] <= hi
+            lo, hi = s["decode_speedup_ci95"]  # the same, prefill excluded
+            assert lo <= s["decode_speedup"] <= hi
+            ids = {p.id for p in load_suite(suite, limit=3)}
+            recs = [json.loads(x) for f in sorted(tmp_path.glob("e2e.records*.jsonl")) for x in f.read_text().splitlines()]
+            dec = {r: sum(x["decode_seconds"] for x in recs if x["suite"] == suite and x["route"] == r
+                                   and x["id"] in ids) for r in ("ar", route)}
+            assert s["decode_speedup"] == pytest.approx(dec["ar"] / dec[route])
     lines = [json.loads(x) for f in sorted(tmp_path.glob("e2e.records.*.jsonl")) for x in f.read_text().splitlines()]
     assert len(lines) == 2 * 3 * 5  # suites x prompts x routes, each once
     assert {r["id"] for r in lines if r["suite"] == "gsm8k"} == {p.id for p in load_suite("gsm8k", limit=3)}
