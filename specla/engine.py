@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,13 @@ def settle(tokens, parents, valid, logits, hidden, acc, emitted, done, room, eos
     return path_tokens, {i: h[rows, acc.path] for i, h in hidden.items()}, count, rep
 
 
+@functools.lru_cache(maxsize=None)
+def _chain_parents(width: int, device: torch.device) -> torch.Tensor:
+    """[-1, 0, 1, ..., width - 2]: node j's parent j - 1 (padding copies a slice of it, so a
+    round launches no arange)."""
+    return torch.arange(-1, width - 1, device=device)
+
+
 def pad_draft(tokens, parents, valid, width: int, out=None):
     """A draft [B, n] padded to `width` nodes with a chain under its last node (its last token
     repeated, node j's parent j - 1), and its real node count [B] (acceptance ignores the
@@ -68,7 +76,7 @@ def pad_draft(tokens, parents, valid, width: int, out=None):
     t[:, :n].copy_(tokens)
     t[:, n:].copy_(tokens[:, -1:].expand(-1, width - n))
     p[:, :n].copy_(parents)
-    p[:, n:].copy_(torch.arange(n - 1, width - 1, device=dev))
+    p[:, n:].copy_(_chain_parents(width, dev)[n:])
     if valid is None:
         v.fill_(n)
     else:

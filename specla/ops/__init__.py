@@ -87,7 +87,7 @@ def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, chain
         return gdn_ref.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, valid)
     from specla.ops.gdn import hybrid, schedule, serial
 
-    plan = schedule.plan_for(parents)
+    plan = None if chain else schedule.plan_for(parents)
     if chain or plan.is_chain(parents):
         return serial.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, valid, chain=True,
                                       **TILING)
