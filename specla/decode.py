@@ -194,7 +194,7 @@ class Decoder:
             gen.manual_seed(self.sampling.seed if self.sampling.seed is not None else torch.seed())
         capture = self.drafter.capture if self.drafter is not None else ()
         if self.drafter is not None:
-            self.drafter.reset(B)
+            self.drafter.reset(B, horizon=T + max_new_tokens)  # acceptance cuts at the room left
         result = GenerationResult(tokens=[], route=self.route)
 
         target = self._target(B, T + max_new_tokens + 64)

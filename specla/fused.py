@@ -159,9 +159,10 @@ def mode_of(model) -> str | None:
     return fz.mode if fz is not None and fz.compile else None
 
 
-def compile_for_graph(fn, mode: str | None):
+def compile_for_graph(fn, mode: str | None, dynamic: bool = False):
     """(compiled fn, capture guard factory) for a function captured in a CUDA graph beside a
     fused target (`mode`: its compile mode, `mode_of`); (fn, a no-op guard) when mode is None.
+    dynamic: shapes are static except dimensions a call marks (`mark_dynamic`).
 
     A drafter's step is a handful of small matmuls among dozens of elementwise ops, norms,
     masks and gathers; compiled whole (static shapes, `fullgraph`), one graph replay launches
@@ -170,7 +171,7 @@ def compile_for_graph(fn, mode: str | None):
     if mode is None:
         return fn, contextlib.nullcontext
     _raise_recompile_limit()
-    return torch.compile(fn, dynamic=False, fullgraph=True, options=_options(mode)), no_compiles
+    return torch.compile(fn, dynamic=None if dynamic else False, fullgraph=True, options=_options(mode)), no_compiles
 
 
 # ---- pure functions of a layer's tensors (compiled) ------------------------------------------
@@ -330,13 +331,19 @@ def eager(kind: str, consts: tuple):
 
 # ---- the fused model -------------------------------------------------------------------------
 
-def _mark_tokens(*ts) -> None:
-    """Mark dimension 1 (tokens / nodes) of these region inputs dynamic (None skipped)."""
+def mark_dynamic(dim: int, *ts) -> None:
+    """Mark dimension `dim` of these inputs of a compiled function dynamic (None skipped): one
+    compiled graph then serves every size of it."""
     import torch._dynamo
 
     for t in ts:
         if t is not None:
-            torch._dynamo.maybe_mark_dynamic(t, 1)
+            torch._dynamo.maybe_mark_dynamic(t, dim)
+
+
+def _mark_tokens(*ts) -> None:
+    """Mark dimension 1 (tokens / nodes) of these region inputs dynamic."""
+    mark_dynamic(1, *ts)
 
 
 class _Layer:

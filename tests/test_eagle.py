@@ -19,7 +19,7 @@ from specla.checkpoint import load_model, save_model
 from specla.config import ModelConfig
 from specla.decode import Decoder
 from specla.drafters import tree
-from specla.drafters.base import pad_drafts
+from specla.drafters.base import MIN_WINDOW, attention_window, pad_drafts
 from specla.drafters.eagle import (EagleConfig, EagleDrafter, EagleDrafterModel, find_drafter, load_drafter,
                                    save_drafter)
 from specla.errors import CheckpointError, InputError
@@ -83,7 +83,7 @@ def test_training_unroll_is_what_drafting_computes(route):
     drafter = EagleDrafter(dm, model, **{**ROUTES[route], "tau": None})
     out = model(x[:, :-1], model.new_cache(1), capture=drafter.capture)
     drafter.extend(x[:, :-1], out.hidden, torch.tensor([x.shape[1] - 1]))
-    tok, par, score = (t[0].tolist() for t in drafter.rollout(x[:, -1]))
+    tok, par, score = (t[0].tolist() for t in drafter.rollout(x[:, -1], drafter.k, drafter.v))
     t = x.shape[1] - 2  # the anchor: the last consumed token
     for i in range(len(tok)):
         path = [i]
@@ -418,29 +418,68 @@ def test_graphed_drafting_equals_eager(monkeypatch, route):
     assert graphed.k.shape[2] > 16 and graphed._extend_graphs  # the cache grew; extend ran from a graph
 
 
+def test_attention_window_holds_the_committed_entries_and_the_rollout():
+    for capacity, bound, extra, horizon in itertools.product((16, 300, 4096), (0, 5, 120, 290), (0, 10, 33),
+                                                             (None, 50, 4000)):
+        if bound + extra > capacity:
+            continue  # `kv_room` grows the cache first
+        w = attention_window(capacity, bound, extra, horizon)
+        need = (bound if horizon is None else min(bound, horizon)) + extra
+        assert need <= w <= capacity
+        assert w == capacity or (w >= MIN_WINDOW and w & (w - 1) == 0 and (w == MIN_WINDOW or w < 2 * need))
+
+
+def test_drafting_attends_over_a_window_of_a_large_cache(monkeypatch):
+    """A long-lived drafter whose cache grew for a long prompt attends, for a short one, over
+    the leading slots its horizon needs (one graph per window), and drafts exactly what a
+    drafter whose cache is no larger than the context drafts."""
+    emulate_graphs(monkeypatch)
+    cfg = tiny_config(1)
+    model = random_model(cfg, 1)
+    dm = random_drafter(cfg, 1)
+    small = EagleDrafter(dm, model, initial_capacity=16, **ROUTES["tree"])
+    large = EagleDrafter(dm, model, initial_capacity=1024, **ROUTES["tree"])
+    large.graphs = True  # emulated on CPU
+    for seed, length in ((4, 200), (5, 10)):  # prompts of 300 and 15 tokens
+        prompt = torch.tensor([make_prompt(cfg, seed, length)])
+        ar = Decoder(model).run(prompt, 24)[0]
+        a = Decoder(model, small, "tree").run(prompt, 24)
+        b = Decoder(model, large, "tree").run(prompt, 24)
+        assert a[0] == b[0] == ar
+        assert [r.accepted for r in a[1].rounds] == [r.accepted for r in b[1].rounds]
+    assert large.k.shape[2] == 1024 and sorted(large._graphs) == [128, 512]  # 15 + 24 + 10 entries; 300 + 24 + 10
+
+
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("cc") is None,
                     reason="torch.compile on CPU needs a C++ compiler (none found)")
 def test_compiled_graphed_drafting_equals_eager(monkeypatch):
     """With a compile mode (its own, or a fused target's) the graphed rollout and extend run
     compiled (specla.fused): the drafts equal the eager drafter's (fp64: compiled rounding
-    differs by ~1 ulp, far from any beam decision) and the outputs equal AR's."""
+    differs by ~1 ulp, far from any beam decision) and the outputs equal AR's. The attention
+    window is symbolic in the compiled rollout: wider windows capture new graphs, never compile."""
     emulate_graphs(monkeypatch)
     cfg = tiny_config(1)
     model = random_model(cfg, 1)
     dm = random_drafter(cfg, 1)
-    graphed = EagleDrafter(dm, model, initial_capacity=16, compile="default", **ROUTES["tree"])
+    graphed = EagleDrafter(dm, model, initial_capacity=512, compile="default", **ROUTES["tree"])
     eager = EagleDrafter(dm, model, initial_capacity=16, **ROUTES["tree"])
     graphed.graphs = True
-    prompt = torch.tensor([make_prompt(cfg, 3, 10)])
-    ar = Decoder(model).run(prompt, 24)[0]
-    a = Decoder(model, eager, "tree").run(prompt, 24)
-    before = fused._compile_count()
-    b = Decoder(model, graphed, "tree").run(prompt, 24)
-    assert fused._compile_count() >= before + 2  # the rollout and extend compiled
-    assert a[0] == b[0] == ar
-    assert [r.accepted for r in a[1].rounds] == [r.accepted for r in b[1].rounds]
-    n = int(eager.len.max())
-    torch.testing.assert_close(eager.k[:, :, :n], graphed.k[:, :, :n], rtol=1e-9, atol=1e-9)
+    # prompts of 15 and 225 tokens: windows 128, then 256 (225 + 10 entries) and 512 (249 + 10)
+    for i, length in enumerate((10, 150)):
+        prompt = torch.tensor([make_prompt(cfg, 3 + i, length)])
+        ar = Decoder(model).run(prompt, 24)[0]
+        a = Decoder(model, eager, "tree").run(prompt, 24)
+        before = fused._compile_count()
+        b = Decoder(model, graphed, "tree").run(prompt, 24)
+        if i == 0:
+            assert fused._compile_count() >= before + 2  # the rollout and extend compiled
+        else:
+            assert fused._compile_count() == before
+        assert a[0] == b[0] == ar
+        assert [r.accepted for r in a[1].rounds] == [r.accepted for r in b[1].rounds]
+        n = int(eager.len.max())
+        torch.testing.assert_close(eager.k[:, :, :n], graphed.k[:, :, :n], rtol=1e-9, atol=1e-9)
+    assert sorted(graphed._graphs) == [128, 256, 512] and graphed.k.shape[2] == 512
 
 
 def test_drafter_graphs_follow_the_target_fusion():

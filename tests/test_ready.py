@@ -17,6 +17,7 @@ from specla.ops.reader import naive as reader_naive
 from specla.train.block_drafter import committed_states, target_pass, train_block_drafter
 
 from conftest import random_model, tiny_config
+from graph_emulation import emulate_graphs
 from test_exactness import assert_same_state, make_prompt
 
 NEW = 64
@@ -66,6 +67,27 @@ def test_block_drafters_equal_ar(kind, seed):
                 assert all(r.drafted == 7 for r in res.rounds[:-1])
             accepted += sum(r.accepted for r in res.rounds)
     assert accepted > 0
+
+
+@pytest.mark.parametrize("kind", ["dspark", "ready"])
+def test_block_drafters_attend_over_a_window_of_a_large_cache(monkeypatch, kind):
+    """Graphed (emulated) with a cache far larger than the context, a block drafter attends
+    over the leading slots the generation needs (a graph per window) and drafts exactly what
+    an eager drafter with a small, growing cache drafts."""
+    emulate_graphs(monkeypatch)
+    cfg = tiny_config(1, vocab_size=24)
+    model = random_model(cfg, 1)
+    m = block_model(kind, cfg, 1)
+    small = make_drafter(kind, m, model, initial_capacity=8)
+    large = make_drafter(kind, m, model, initial_capacity=1024)
+    large.graphs = True
+    for seed, length, window in ((2, 100, 256), (3, 8, 128)):  # prompts of 150 and 12 tokens, + 32
+        prompt = torch.tensor([make_prompt(cfg, seed, length)])
+        a = Decoder(model, small).run(prompt, 32)
+        b = Decoder(model, large).run(prompt, 32)
+        assert a[0] == b[0] == Decoder(model).run(prompt, 32)[0]
+        assert [r.accepted for r in a[1].rounds] == [r.accepted for r in b[1].rounds]
+        assert window in large._graphs and large.k[0].shape[2] == 1024
 
 
 def test_batched_rows():

@@ -129,7 +129,7 @@ class ChainRuntime:
     # the pieces of a round --------------------------------------------------------------------
     def draft(self) -> torch.Tensor:
         d = self.drafter
-        tokens, _, _ = d._replay(self.root) if self.graphs else d.draft(self.root)
+        tokens, _, _ = d._replay(self.root) if self.graphs else d.draft(self.root, d.k, d.v)
         return tokens  # top-1 rollout: the root and the chain, depth order
 
     def verify(self, tokens):

@@ -106,8 +106,9 @@ def _gpu_events(prof) -> list[tuple[str, float]]:
     return out
 
 
-def _profile_fn(fn, steps: int, device) -> dict:
-    """Profile `steps` calls of fn (CUDA activities): per-step kernel count, GPU time, top kernels."""
+def _profile_fn(fn, steps: int, device, top: int = 15) -> dict:
+    """Profile `steps` calls of fn (CUDA activities): per-step kernel count, GPU time, the `top`
+    kernels by time."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()  # warm (compiles, plans, allocator)
@@ -122,7 +123,7 @@ def _profile_fn(fn, steps: int, device) -> dict:
         c = agg.setdefault(name, [0, 0.0])
         c[0] += 1
         c[1] += us
-    top = sorted(agg.items(), key=lambda kv: -kv[1][1])[:15]
+    ranked = sorted(agg.items(), key=lambda kv: -kv[1][1])[:top]
     mem = sum(n for name, (n, _) in agg.items() if name.lower().startswith(("memset", "memcpy")))
     return {
         "steps": steps,
@@ -131,7 +132,7 @@ def _profile_fn(fn, steps: int, device) -> dict:
         "gpu_us_per_step": sum(us for _, us in events) / steps,
         "distinct_kernels": len(agg),
         "top": [{"name": name[:90], "count_per_step": n / steps, "us_per_step": us / steps}
-                for name, (n, us) in top],
+                for name, (n, us) in ranked],
         **({} if events else {"note": "the profiler recorded no GPU activity (CUPTI unavailable?)"}),
     }
 

@@ -230,15 +230,22 @@ def run(model_dir=None, suites=SUITES, routes=BASE_ROUTES, limit: int | None = N
     records = _load_records(out_dir, name)
     todo = [w for w in _work(suites, routes, limit, fla_limit, shard)
             if w[2].id not in records.get(w[1], {}).get(w[3], {})]
-    # compile and autotune kernels, size every buffer and capture graphs outside the timings,
-    # on the longest prompt (a longer one later would build a new target)
+    # compile and autotune kernels, size every buffer and capture graphs outside the timings:
+    # the longest prompt first (a longer one later would build a new target), then the longest
+    # of every shorter power-of-two context size (drafters capture a graph per attention window)
     unique = {(suite, p.id): p for _, suite, p, _ in todo}.values()  # each prompt once, not once per route
-    longest = max(unique, key=lambda p: len(lm.encode_prompt(p.turns[0])), default=None)
+    widest: dict = {}
+    for p in unique:
+        n = len(lm.encode_prompt(p.turns[0])) + max_new_tokens
+        b = (n - 1).bit_length()
+        if b not in widest or n > widest[b][0]:
+            widest[b] = (n, p.turns[0])
+    warm = [text for _, text in sorted(widest.values(), reverse=True)] or ["warm up"]
     for route in tqdm(routes, desc="warm-up (compile, autotune, capture)", unit="route"):
         t0 = time.perf_counter()
-        lm.generate(longest.turns[0] if longest else "warm up", max_new_tokens=max_new_tokens,
-                    **_route_kwargs(route))
-        tqdm.write(f"warm-up {route}: {time.perf_counter() - t0:.1f} s")
+        for text in warm:
+            lm.generate(text, max_new_tokens=max_new_tokens, **_route_kwargs(route))
+        tqdm.write(f"warm-up {route}: {time.perf_counter() - t0:.1f} s ({len(warm)} prompts)")
     tqdm.write(f"loaded and warmed up in {time.time() - start:.0f} s; {len(todo)} generations to run")
     stopped = False
     device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"

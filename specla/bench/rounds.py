@@ -126,11 +126,11 @@ def run(model_dir=None, routes=("ar", "chain", "tree", "ngram"), suite: str = "m
             def once():
                 g["r"] = lm.generate(prompts[0], max_new_tokens=max_new_tokens, **kw)
 
-            prof = _profile_fn(once, 1, lm.model.device)
+            prof = _profile_fn(once, 1, lm.model.device, top=40)
             n = g["r"].rounds
             row["profile"] = {"rounds": n, "kernels_per_round": prof["kernels_per_step"] / n,
                               "gpu_busy_ms_per_round": prof["gpu_us_per_step"] / n / 1e3,
-                              "top": [dict(t, us_per_round=t["us_per_step"] / n) for t in prof["top"][:10]]}
+                              "top": [dict(t, us_per_round=t["us_per_step"] / n) for t in prof["top"]]}
         rows.append(row)
     _print(rows)
     result = {"model": str(lm.model_dir), "suite": suite, "max_new_tokens": max_new_tokens,

@@ -56,8 +56,10 @@ class Drafter:
     # read keys in position order (`GatedAttention.verify`)
     chain: bool = False
 
-    def reset(self, batch: int) -> None:
-        """Start a new generation."""
+    def reset(self, batch: int, horizon: int | None = None) -> None:
+        """Start a new generation. horizon: the most tokens the target consumes in it (prompt
+        plus new tokens; None: unknown), so a drafter's attention may span only that much of
+        its cache (`attention_window`)."""
 
     def extend(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], length: torch.Tensor) -> None:
         """The target consumed tokens[b, :length[b]] and produced these features for them."""
@@ -103,3 +105,18 @@ def grown(cache: torch.Tensor, capacity: int) -> torch.Tensor:
     out = cache.new_zeros(*cache.shape[:2], capacity, cache.shape[3])
     out[:, :, :cache.shape[2]] = cache
     return out
+
+
+MIN_WINDOW = 128
+
+
+def attention_window(capacity: int, bound: int, extra: int, horizon: int | None = None) -> int:
+    """How many leading cache slots a draft step attends over: a power of two (at least
+    MIN_WINDOW, at most `capacity`) holding every committed entry and `extra` more.
+
+    The committed length is at most min(bound, horizon) (both upper bounds of it). Attending
+    over the whole capacity instead would make every draft step pay for the longest prompt a
+    long-lived drafter has seen; powers of two keep the number of captured graphs small.
+    """
+    need = (bound if horizon is None else min(bound, horizon)) + extra
+    return min(capacity, max(MIN_WINDOW, 1 << max(need - 1, 0).bit_length()))

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from specla import graphs
 from specla.attention import apply_rotary, rotary_inv_freq
 from specla.config import ModelConfig
-from specla.drafters.base import Draft, DraftContext, Drafter, grown, kv_room
+from specla.drafters.base import Draft, DraftContext, Drafter, attention_window, grown, kv_room
 from specla.drafters.eagle import check_fits_target, default_feature_layers
 from specla.errors import CheckpointError, InputError
 from specla.model import GatedMLP, Model, RMSNorm
@@ -339,9 +339,10 @@ class DSparkDrafter(Drafter):
         return cls(load_block_drafter(path, target, expect=MODEL_TYPE), target, **options)
 
     # context cache ----------------------------------------------------------------------------
-    def reset(self, batch: int) -> None:
+    def reset(self, batch: int, horizon: int | None = None) -> None:
         """Start a generation: the cache empties in place when the batch size is unchanged (its
-        buffers, and a captured graph, are reused across generations)."""
+        buffers, and the captured graphs, are reused across generations)."""
+        self._horizon = horizon
         if getattr(self, "len", None) is not None and self.len.shape[0] == batch:
             self.len.zero_()
             self._bound = 0
@@ -352,15 +353,15 @@ class DSparkDrafter(Drafter):
         self.v = [torch.zeros(shape, device=dev, dtype=dt) for _ in range(cfg.num_layers)]
         self.len = torch.zeros(batch, dtype=torch.long, device=dev)  # consumed tokens (in place)
         self._bound = 0  # host-side upper bound of max(self.len)
-        self._graph = None
-        self._graph_key = None
+        self._root = torch.zeros(batch, dtype=torch.long, device=dev)  # the graphs' input
+        self._graphs, self._graph_key = {}, None  # by attention window, over the buffers of _graph_key
 
     def _reserve(self, extra: int) -> None:
         self._bound, new = kv_room(self.k[0].shape[2], self._bound, extra, self.len)
         if new is not None:
             self.k = [grown(t, new) for t in self.k]
             self.v = [grown(t, new) for t in self.v]
-            self._graph = None
+            self._graphs = {}
 
     @torch.no_grad()
     def extend(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], length: torch.Tensor) -> None:
@@ -385,24 +386,29 @@ class DSparkDrafter(Drafter):
         """What `inject` reads (ReaDy: the committed states of `cache`); None for DSpark."""
         return None
 
-    def block_forward(self, root: torch.Tensor, cache=None):
-        """One block forward from roots [B]: (backbone logits [B, P, V], h [B, P, D]). Device work only."""
+    def _window(self) -> int:
+        """Leading context slots a block forward attends over."""
+        return attention_window(self.k[0].shape[2], self._bound, 0, self._horizon)
+
+    def block_forward(self, root: torch.Tensor, cache=None, window: int | None = None):
+        """One block forward from roots [B], attending over the first `window` context slots
+        (default: all): (backbone logits [B, P, V], h [B, P, D]). Device work only."""
         m, tgt = self.model, self.target
         B, dev, P = root.shape[0], root.device, m.cfg.block_size
-        cap = self.k[0].shape[2]
+        cap = self.k[0].shape[2] if window is None else window
         x = m.block_input(tgt.embeddings(root))  # [B, P, D]
         pos = self.len[:, None] + torch.arange(P, device=dev)
         sees_ctx = (torch.arange(cap, device=dev)[None] < self.len[:, None])[:, None].expand(B, P, cap)
         mask = torch.cat([sees_ctx, torch.ones(B, P, P, dtype=torch.bool, device=dev)], -1)
         read = self.reader(cache)
         for i in range(len(m.layers)):
-            x = m.layer_forward(i, x, pos, self.k[i], self.v[i], mask, 1, read)
+            x = m.layer_forward(i, x, pos, self.k[i][:, :, :cap], self.v[i][:, :, :cap], mask, 1, read)
         return m.logits(x, tgt.lm_head.weight), x
 
-    def draft(self, root: torch.Tensor, cache=None):
+    def draft(self, root: torch.Tensor, cache=None, window: int | None = None):
         """The block's greedy tokens [B, block] and how many to keep [B] (no host synchronisation)."""
         m = self.model
-        logits, h = self.block_forward(root, cache)
+        logits, h = self.block_forward(root, cache, window)
         acc = _acc(logits.dtype)
         prev, toks, lmax = root, [], []
         for i in range(self.block):
@@ -420,22 +426,25 @@ class DSparkDrafter(Drafter):
         """What a captured forward depends on besides values updated in place."""
         return (self.k[0].data_ptr(), self.k[0].shape[2])
 
-    def _replay(self, root: torch.Tensor, cache):
+    def _replay(self, root: torch.Tensor, cache, window: int):
         key = self._graph_state(cache)
-        if self._graph is None or key != self._graph_key:
-            self._root = root.clone()
+        if key != self._graph_key:
+            self._graphs, self._graph_key = {}, key
+        graph = self._graphs.get(window)
+        if graph is None:
             # the warm-up fills the rotary tables and the reader's address tables
-            self._graph = graphs.capture(lambda: self.draft(self._root, cache))
-            self._graph_key = key
+            graph = self._graphs[window] = graphs.capture(lambda: self.draft(self._root, cache, window))
         self._root.copy_(root)
-        self._graph.replay()
-        return self._graph.out
+        graph.replay()
+        return graph.out
 
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> Draft:
         dev = self.target.device
         root = ctx.root if ctx.root is not None else torch.tensor([h[-1] for h in ctx.history], device=dev)
-        tokens, keep = self._replay(root, ctx.cache) if self.graphs else self.draft(root, ctx.cache)
+        window = self._window()
+        tokens, keep = (self._replay(root, ctx.cache, window) if self.graphs
+                        else self.draft(root, ctx.cache, window))
         # always the whole block, with positions past the confidence cut marked invalid
         # (acceptance ignores them): no host read, so the loop may run ahead of the host
         B, n = root.shape[0], self.block

@@ -42,7 +42,7 @@ from specla import fused, graphs, topology
 from specla.attention import apply_rotary, rotary_inv_freq
 from specla.config import ModelConfig
 from specla.drafters import tree
-from specla.drafters.base import Draft, DraftContext, Drafter, grown, kv_room
+from specla.drafters.base import Draft, DraftContext, Drafter, attention_window, grown, kv_room
 from specla.errors import CheckpointError, InputError
 from specla.model import GatedMLP, Model, RMSNorm
 
@@ -289,9 +289,10 @@ class EagleDrafter(Drafter):
         return cls(load_drafter(path, target), target, **options)
 
     # cache ------------------------------------------------------------------------------------
-    def reset(self, batch: int) -> None:
+    def reset(self, batch: int, horizon: int | None = None) -> None:
         """Start a generation: the cache empties in place when the batch size is unchanged, so
-        its buffers and the captured rollout are reused across generations."""
+        its buffers and the captured rollouts are reused across generations."""
+        self._horizon = horizon
         if getattr(self, "len", None) is not None and self.len.shape[0] == batch:
             self.len.zero_()
             self.pending.zero_()
@@ -306,7 +307,8 @@ class EagleDrafter(Drafter):
         self.pending = torch.zeros(batch, cfg.hidden_size, device=dev, dtype=dt)  # feature whose next token is unknown
         self.started = False  # host flag: `pending` holds a feature
         self._bound = 0  # host-side upper bound of max(self.len): growing needs no sync per round
-        self._graph, self._extend_graphs = None, {}
+        self._root = torch.zeros(batch, dtype=torch.long, device=dev)  # the rollout graphs' input
+        self._graphs, self._extend_graphs = {}, {}  # rollouts by attention window; extends by width
 
     def _graph_fns(self):
         """(rollout, extend, capture guard factory) for the graphs: compiled when the drafter
@@ -314,7 +316,9 @@ class EagleDrafter(Drafter):
         recompiles, nothing else does)."""
         mode = self.compile or fused.mode_of(self.target)
         if mode not in self._compiled:
-            draft, guard = fused.compile_for_graph(lambda root: self.draft(root, graphed=True), mode)
+            # the attention window (cache slots, dim 2) is symbolic: one compile serves every window
+            draft, guard = fused.compile_for_graph(lambda root, k, v: self.draft(root, k, v, graphed=True), mode,
+                                                   dynamic=True)
             extend, _ = fused.compile_for_graph(self._extend, mode)
             self._compiled[mode] = (draft, extend, guard)
         return self._compiled[mode]
@@ -323,13 +327,19 @@ class EagleDrafter(Drafter):
         self._bound, new = kv_room(self.k.shape[2], self._bound, extra, self.len)
         if new is not None:
             self.k, self.v = grown(self.k, new), grown(self.v, new)
-            self._graph, self._extend_graphs = None, {}  # captured graphs hold the old buffers
+            self._graphs, self._extend_graphs = {}, {}  # captured graphs hold the old buffers
 
-    def _store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _window(self) -> int:
+        """Leading cache slots the next rollout attends over (its entries included)."""
+        return attention_window(self.k.shape[2], self._bound, self.entries, self._horizon)
+
+    @staticmethod
+    def _store(keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> None:
         B, n, H, hd = k.shape
         idx = slots[:, None, :, None].expand(B, H, n, hd)
-        self.k.scatter_(2, idx, k.transpose(1, 2).to(self.k.dtype))
-        self.v.scatter_(2, idx, v.transpose(1, 2).to(self.v.dtype))
+        keys.scatter_(2, idx, k.transpose(1, 2).to(keys.dtype))
+        values.scatter_(2, idx, v.transpose(1, 2).to(values.dtype))
 
     # Drafter API ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -358,7 +368,7 @@ class EagleDrafter(Drafter):
             # land past the new length, where later writes replace them.
             slots = self.len[:, None] + torch.arange(n, device=tok.device)
             _, k, v = m.qkv(m.inputs(self.target.embeddings(tok), feat), slots)
-            self._store(slots, k, v)
+            self._store(self.k, self.v, slots, k, v)
         self.len.add_(count)
         last = feats[torch.arange(feats.shape[0], device=feats.device), (length - 1).clamp(min=0)]
         self.pending.copy_(torch.where((length > 0)[:, None], last, self.pending) if self.started else last)
@@ -390,27 +400,32 @@ class EagleDrafter(Drafter):
         # selection and packing run on the device, inside the rollout's graph when there is one
         # (which runs every depth: a graph cannot stop early), so a round reads nothing back
         # before the verify
-        tokens, parents, valid = self._replay(root) if self.graphs else self.draft(root)
+        if self.graphs:
+            tokens, parents, valid = self._replay(root)
+        else:
+            W = self._window()
+            tokens, parents, valid = self.draft(root, self.k[:, :, :W], self.v[:, :, :W])
         return Draft(tokens, parents, valid=valid)
 
-    def draft(self, root: torch.Tensor, graphed: bool = False):
+    def draft(self, root: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, graphed: bool = False):
         """Rollout, selection and packing: the verifier's (tokens, parents, valid). Eagerly the
         rollout stops once no beam is inside the window τ; a graph cannot stop early."""
-        pool = self.rollout(root, None if graphed else self.tau)
+        pool = self.rollout(root, keys, values, None if graphed else self.tau)
         return tree.build_batch(root, *pool, self.budget, self.tau, max_depth=self.depth)
 
     @torch.no_grad()
-    def rollout(self, root: torch.Tensor, tau: float | None = None):
+    def rollout(self, root: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tau: float | None = None):
         """`tree.beam_search` from root [B] with this drafter: the pool's tokens, parents, scores.
 
-        Entries (the drafter's queries for expanded nodes: the root at depth 0, then k beams
-        per depth) go to the cache slots right after the committed length, where the next
-        `extend` overwrites them; the mask lets each see the committed entries and its own
-        path. The cache must have room for them (`_reserve`).
+        keys, values: the leading slots of the cache ([B, H, W, hd] views) that hold the
+        committed entries and room for this rollout's. Entries (the drafter's queries for
+        expanded nodes: the root at depth 0, then k beams per depth) go to the slots right
+        after the committed length, where the next `extend` overwrites them; the mask lets each
+        see the committed entries and its own path.
         """
         m, tgt, k, E = self.model, self.target, self.topk, self.entries
         B, dev = root.shape[0], root.device
-        rel = torch.arange(self.k.shape[2], device=dev)[None] - self.len[:, None]  # slot - first draft slot
+        rel = torch.arange(keys.shape[2], device=dev)[None] - self.len[:, None]  # slot - first draft slot
         committed = rel < 0
         in_draft = (rel >= 0) & (rel < E)
         entry_of_slot = rel.clamp(0, E - 1)
@@ -427,23 +442,27 @@ class EagleDrafter(Drafter):
             anc[:, start:start + n] = rows
             x = m.inputs(tgt.embeddings(tokens), h.gather(1, src[..., None].expand(-1, -1, h.shape[-1])))
             q, kk, v = m.qkv(x, (self.len + d)[:, None].expand(B, n))
-            self._store(self.len[:, None] + start + torch.arange(n, device=dev), kk, v)
+            self._store(keys, values, self.len[:, None] + start + torch.arange(n, device=dev), kk, v)
             sees = rows.gather(2, entry_of_slot[:, None, :].expand(B, n, -1))
-            h = m.finish(x, m.attend(q, self.k, self.v, committed[:, None] | (in_draft[:, None] & sees)))
+            h = m.finish(x, m.attend(q, keys, values, committed[:, None] | (in_draft[:, None] & sees)))
             return torch.log_softmax(tgt.lm_head(m.norm(h)).to(_acc(tgt.dtype)), -1)
 
         return tree.beam_search(step, root, k, self.depth, tau)
 
     def _replay(self, root: torch.Tensor):
-        """`draft` from a CUDA graph over static buffers (root, len, pending, cache)."""
-        if self._graph is None:
-            self._root = root.clone()
+        """`draft` from a CUDA graph over static buffers (root, len, pending, cache), one graph
+        per attention window."""
+        W = self._window()
+        graph = self._graphs.get(W)
+        if graph is None:
+            keys, values = self.k[:, :, :W], self.v[:, :, :W]
+            fused.mark_dynamic(2, keys, values)
             # the rollout only writes cache slots past the committed length
             draft, _, guard = self._graph_fns()
-            self._graph = graphs.capture(lambda: draft(self._root), guard())
+            graph = self._graphs[W] = graphs.capture(lambda: draft(self._root, keys, values), guard())
         self._root.copy_(root)
-        self._graph.replay()
-        return self._graph.out
+        graph.replay()
+        return graph.out
 
 
 def find_drafter(model_dir) -> Path | None:

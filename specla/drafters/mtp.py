@@ -112,7 +112,7 @@ class MTPDrafter(Drafter):
         return cls(model_dir, target, length=length)
 
     # cache ---------------------------------------------------------------------------------
-    def reset(self, batch: int) -> None:
+    def reset(self, batch: int, horizon: int | None = None) -> None:
         mixer = self.module.layers[0].mixer
         self.st = mixer.new_state(batch, self.initial_capacity, self.target.device, self.target.dtype)
         self.len = torch.zeros(batch, dtype=torch.long, device=self.target.device)

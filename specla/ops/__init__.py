@@ -10,10 +10,13 @@ GDN verification (docs/kernels.md):
   (few nodes, short chains): the serial verifier in tree mode;
 - any other branching topology: the chain-decomposed hybrid verifier.
 Both decisions are made once per parent array (cached on the tensor, shared by all layers of a
-round): free for CPU tensors and n = 1, one host sync on CUDA, and none inside a CUDA-graph
-capture, where the hybrid runs (on a chain it is a single chain, i.e. the serial loop plus a
-ticket; it is correct for every topology of that size on replay). Its schedule="auto" variant,
-which applies the cost model on the device, is for benchmarks: slower in graph replay.
+round): free for CPU tensors and n = 1, one host sync on CUDA. Inside a CUDA-graph capture the
+topology cannot be looked at (the graph must be right for every topology of its size); there
+the size decides (`SPECLA_CAPTURED_TREE=auto|serial|hybrid`): up to CAPTURED_SERIAL_MAX_NODES
+nodes the serial verifier in tree mode (it reads the parents on the device; on the H200 it beat
+the hybrid on every 16-node beam tree of Table 1, and the hybrid would also build its schedule
+inside every round), beyond that the hybrid. The hybrid's schedule="auto" variant, which applies
+the cost model on the device, is for benchmarks: slower in graph replay.
 The kernel modules are imported on first use so that importing specla never compiles or
 configures Triton.
 """
@@ -45,6 +48,11 @@ def _tiling_from_env() -> dict:
 
 
 TILING = _tiling_from_env()
+
+CAPTURED_SERIAL_MAX_NODES = 24
+CAPTURED_TREE = os.environ.get("SPECLA_CAPTURED_TREE", "auto")
+if CAPTURED_TREE not in ("auto", "serial", "hybrid"):
+    raise ValueError(f"SPECLA_CAPTURED_TREE={CAPTURED_TREE!r}: expected auto, serial or hybrid")
 
 
 def set_backend(name: str) -> None:
@@ -91,11 +99,13 @@ def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, chain
     if chain or plan.is_chain(parents):
         return serial.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, valid, chain=True,
                                       **TILING)
-    if plan.prefer_serial(parents):
+    prefer = plan.prefer_serial(parents)
+    if prefer is None:  # inside a capture: decided by size (module docstring)
+        prefer = CAPTURED_TREE == "serial" or (CAPTURED_TREE == "auto" and parents.shape[1] <= CAPTURED_SERIAL_MAX_NODES)
+    if prefer:
         return serial.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, valid, **TILING)
-    # inside a capture nothing is known of the topology: the chain decomposition, not the
-    # in-kernel serial fallback (schedule="auto"), which the H200 timed 1.6-1.8x slower on
-    # 16-node trees in graph replay (kernels.json, hybrid_auto_ms)
+    # not the in-kernel serial fallback (schedule="auto"), which the H200 timed 1.6-1.8x slower
+    # on 16-node trees in graph replay (kernels.json, hybrid_auto_ms)
     return hybrid.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, **TILING)
 
 

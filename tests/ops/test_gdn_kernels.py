@@ -193,15 +193,24 @@ def test_dispatch_picks_serial_for_chains_and_hybrid_for_trees(monkeypatch):
         assert calls[-1] == want
         close(o, ro, want)
         close(u, ru, want)
-    # a caller's chain promise reaches the chain kernel where the topology cannot be looked at
-    # (inside a graph capture the plan answers None and the hybrid would run)
+    # inside a graph capture the plan answers None: the size decides (small: serial tree mode,
+    # SPECLA_CAPTURED_TREE overrides), and a caller's chain promise reaches the chain kernel
     monkeypatch.setattr(schedule.Plan, "is_chain", lambda self, parents: None)
     monkeypatch.setattr(schedule.Plan, "prefer_serial", lambda self, parents: None)
+    par = torch.tensor([[-1, 0, 0, 1, 2]])
+    ro, ru = naive.gdn_tree_verify(q, k, v, g, beta, S.clone(), par, 0.25)
+    for setting, max_nodes, want in (("auto", 24, "serial"), ("auto", 4, "hybrid"), ("hybrid", 24, "hybrid"),
+                                     ("serial", 4, "serial")):
+        monkeypatch.setattr(ops, "CAPTURED_TREE", setting)
+        monkeypatch.setattr(ops, "CAPTURED_SERIAL_MAX_NODES", max_nodes)
+        with ops.backend("triton"):
+            o, u = ops.gdn_tree_verify(q, k, v, g, beta, S.clone(), par, 0.25)
+        assert calls[-1] == want, setting
+        close(o, ro, f"captured {setting}")
+        close(u, ru, f"captured {setting}")
     par = topology.chain(5)
     ro, ru = naive.gdn_tree_verify(q, k, v, g, beta, S.clone(), par, 0.25)
     with ops.backend("triton"):
-        ops.gdn_tree_verify(q, k, v, g, beta, S.clone(), par, 0.25)
-        assert calls[-1] == "hybrid"
         o, u = ops.gdn_tree_verify(q, k, v, g, beta, S.clone(), par, 0.25, chain=True)
     assert calls[-1] == "serial"
     close(o, ro, "chain promise")
