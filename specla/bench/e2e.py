@@ -236,10 +236,10 @@ def run(model_dir=None, suites=SUITES, routes=BASE_ROUTES, limit: int | None = N
     unique = {(suite, p.id): p for _, suite, p, _ in todo}.values()  # each prompt once, not once per route
     widest: dict = {}
     for p in unique:
-        n = len(lm.encode_prompt(p.turns[0])) + max_new_tokens
-        b = (n - 1).bit_length()
-        if b not in widest or n > widest[b][0]:
-            widest[b] = (n, p.turns[0])
+        size = len(lm.encode_prompt(p.turns[0])) + max_new_tokens
+        b = (size - 1).bit_length()
+        if b not in widest or size > widest[b][0]:
+            widest[b] = (size, p.turns[0])
     warm = [text for _, text in sorted(widest.values(), reverse=True)] or ["warm up"]
     for route in tqdm(routes, desc="warm-up (compile, autotune, capture)", unit="route"):
         t0 = time.perf_counter()
@@ -262,7 +262,7 @@ def run(model_dir=None, suites=SUITES, routes=BASE_ROUTES, limit: int | None = N
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             rec = {"suite": suite, "route": route, "id": p.id, "seconds": time.perf_counter() - t0,
-                   "decode_seconds": g.decode_seconds, "tokens": g.tokens, "rounds": g.rounds,
+                   "prefill_seconds": g.prefill_seconds, "decode_seconds": g.decode_seconds, "tokens": g.tokens, "rounds": g.rounds,
                    "mean_accepted_length": g.mean_accepted_length,
                    "first_token_match": g.to_dict()["first_token_match"],
                    "device": device_name, "dtype": str(lm.model.dtype).replace("torch.", ""),
