@@ -32,9 +32,13 @@ every topology size — drafters whose sizes vary round to round (prompt lookup,
 run eagerly) never trigger a compile storm. `dynamic_tokens=False` (`SPECLA_COMPILE_DYNAMIC=0`)
 compiles one static graph per verify size instead. `GraphTarget` runs every function twice
 before it captures (warm-up), so compilation and Inductor's autotuning happen before capture
-and a replay never recompiles. Prefill (T > 1 through `forward`) stays on the plain path, so
-prompt lengths never trigger compiles; verify shapes beyond `max_shapes` distinct ones fall back
-to the plain path (static mode only; a GraphTarget uses one shape per budget).
+and a replay never recompiles. Prefill (T > 1 through `forward`, up to MAX_PREFILL tokens a
+call) runs the AR step's regions with the token dimension symbolic: one compile serves every
+prompt length, and a prompt costs a few kernels a layer instead of the plain path's ~50 eager
+launches (prefill was a third of a 128-token generation on the demo target). With static
+shapes (`dynamic_tokens=False`) prefill stays on the plain path, so prompt lengths never
+trigger compiles; verify shapes beyond `max_shapes` distinct ones fall back to the plain path
+(a GraphTarget uses one shape per budget).
 
 Inductor is told to round like eager (`emulate_precision_casts`), so the fused path equals
 the plain one up to the accumulation order of reductions: fp32 runs agree to ~1e-6, bf16
@@ -59,6 +63,7 @@ from specla.state import GDNRecord
 ENV = "SPECLA_COMPILE"
 MODES = ("default", "max-autotune")
 MAX_TOKENS = 256  # verify topologies larger than this stay on the plain path
+MAX_PREFILL = 4096  # longer prefill calls stay on the plain path
 
 
 def env_mode() -> str | None:
@@ -423,13 +428,14 @@ class FusedModel:
             yield
 
     def takes(self, tokens: torch.Tensor, verify: bool) -> bool:
-        """Whether this call goes through the fused path: AR steps (T = 1) and verifies of at
-        most MAX_TOKENS nodes, for the first `max_shapes` distinct shapes (fixed per graph;
-        with `dynamic_tokens` every verify size of a batch is one shape)."""
+        """Whether this call goes through the fused path: AR steps (T = 1), verifies of at
+        most MAX_TOKENS nodes and, with `dynamic_tokens`, prefills of at most MAX_PREFILL
+        tokens, for the first `max_shapes` distinct shapes (fixed per graph; with
+        `dynamic_tokens` every size above 1 of a batch is one shape)."""
         B, n = tokens.shape
-        if (not verify and n != 1) or n > MAX_TOKENS:
+        if n > (MAX_TOKENS if verify else MAX_PREFILL if self.dynamic_tokens else 1):
             return False
-        key = (verify, B, "n" if self.dynamic_tokens and verify and n > 1 else n, tokens.device)
+        key = (verify, B, "n" if self.dynamic_tokens and n > 1 else n, tokens.device)
         if key not in self.shapes:
             if len(self.shapes) >= self.max_shapes:
                 return False
@@ -443,8 +449,8 @@ class FusedModel:
 
         m = self.model
         x, r = m.embeddings(tokens), None  # r: the last MLP output, not yet added to x
-        if self.dynamic_tokens and parents is not None and tokens.shape[1] > 1:
-            mark = _mark_tokens  # one compiled graph for every verify size (dim 1 symbolic)
+        if self.dynamic_tokens and tokens.shape[1] > 1:
+            mark = _mark_tokens  # one compiled graph for every verify or prefill size (dim 1 symbolic)
         else:
             mark = lambda *ts: None  # noqa: E731
         hidden, records, want = {}, [], None  # want: the captured layer whose x is x + r
@@ -476,6 +482,7 @@ class FusedModel:
             cw, cb = lay.conv_args()
             if parents is None:
                 st.flush()
+                mark(x, r)
                 x, q, k, v, g, beta, z = lay.seq_pre(x, r, blk.attn_norm.weight, mix.in_proj.weight, st.conv,
                                                      cw, cb, mix.A_log, mix.dt_bias)
             elif st.conv is not None:

@@ -415,7 +415,7 @@ def test_graphed_drafting_equals_eager(monkeypatch, route):
         assert torch.equal(eager.len, graphed.len) and torch.equal(eager.pending, graphed.pending)
         n = int(eager.len.max())
         assert torch.equal(eager.k[:, :, :n], graphed.k[:, :, :n])
-    assert graphed.k.shape[2] > 16 and graphed._extend_graphs  # the cache grew; extend ran from a graph
+    assert graphed.capacity > 16 and graphed._extend_graphs  # the cache grew; extend ran from a graph
 
 
 def test_attention_window_holds_the_committed_entries_and_the_rollout():
@@ -447,7 +447,7 @@ def test_drafting_attends_over_a_window_of_a_large_cache(monkeypatch):
         b = Decoder(model, large, "tree").run(prompt, 24)
         assert a[0] == b[0] == ar
         assert [r.accepted for r in a[1].rounds] == [r.accepted for r in b[1].rounds]
-    assert large.k.shape[2] == 1024 and sorted(large._graphs) == [128, 512]  # 15 + 24 + 10 entries; 300 + 24 + 10
+    assert large.capacity == 1024 and sorted(large._graphs) == [128, 512]  # 15 + 24 + 10 entries; 300 + 24 + 10
 
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("cc") is None,
@@ -461,16 +461,17 @@ def test_compiled_graphed_drafting_equals_eager(monkeypatch):
     cfg = tiny_config(1)
     model = random_model(cfg, 1)
     dm = random_drafter(cfg, 1)
-    graphed = EagleDrafter(dm, model, initial_capacity=512, compile="default", **ROUTES["tree"])
+    graphed = EagleDrafter(dm, model, initial_capacity=256, compile="default", **ROUTES["tree"])
     eager = EagleDrafter(dm, model, initial_capacity=16, **ROUTES["tree"])
     graphed.graphs = True
-    # prompts of 15 and 225 tokens: windows 128, then 256 (225 + 10 entries) and 512 (249 + 10)
-    for i, length in enumerate((10, 150)):
+    # prompts of 225 and 15 tokens: a window as wide as the cache (256: 224 + 10 entries, at most
+    # 232 + 10 with 8 new tokens), then a narrower one (128), which must not recompile
+    for i, (length, new) in enumerate(((150, 8), (10, 24))):
         prompt = torch.tensor([make_prompt(cfg, 3 + i, length)])
-        ar = Decoder(model).run(prompt, 24)[0]
-        a = Decoder(model, eager, "tree").run(prompt, 24)
+        ar = Decoder(model).run(prompt, new)[0]
+        a = Decoder(model, eager, "tree").run(prompt, new)
         before = fused._compile_count()
-        b = Decoder(model, graphed, "tree").run(prompt, 24)
+        b = Decoder(model, graphed, "tree").run(prompt, new)
         if i == 0:
             assert fused._compile_count() >= before + 2  # the rollout and extend compiled
         else:
@@ -479,7 +480,7 @@ def test_compiled_graphed_drafting_equals_eager(monkeypatch):
         assert [r.accepted for r in a[1].rounds] == [r.accepted for r in b[1].rounds]
         n = int(eager.len.max())
         torch.testing.assert_close(eager.k[:, :, :n], graphed.k[:, :, :n], rtol=1e-9, atol=1e-9)
-    assert sorted(graphed._graphs) == [128, 256, 512] and graphed.k.shape[2] == 512
+    assert sorted(graphed._graphs) == [128, 256] and graphed.capacity == 256
 
 
 def test_drafter_graphs_follow_the_target_fusion():

@@ -90,21 +90,24 @@ def test_uncompiled_hybrid_equal_plain(moe):
     _compare(model, dict(compile=False, concat_mlp=False), 4, capture=(0, 2))
 
 
-def test_prefill_and_large_shapes_stay_plain():
+def test_which_shapes_take_the_fused_path():
+    from specla.fused import MAX_PREFILL
+
     model = random_model(tiny_config(2), 2)
     z = lambda n: torch.zeros(1, n, dtype=torch.long)  # noqa: E731
     model.fuse(compile=False, max_shapes=2, dynamic_tokens=False)
     f = model._fused
-    assert not f.takes(z(5), verify=False)  # prefill
+    assert not f.takes(z(5), verify=False)  # static shapes: prefill stays plain
     assert f.takes(z(1), verify=False)
     assert f.takes(z(9), verify=True)
     assert not f.takes(z(10), verify=True)  # past max_shapes
     assert f.takes(z(9), verify=True)
     assert not f.takes(z(1000), verify=True)  # past MAX_TOKENS
-    model.fuse(compile=False, max_shapes=2)  # dynamic tokens: every verify size is one shape
+    model.fuse(compile=False, max_shapes=3)  # dynamic tokens: every verify (prefill) size is one shape
     f = model._fused
     assert all(f.takes(z(n), verify=True) for n in (2, 9, 10, 17, 33))
-    assert f.takes(z(1), verify=False) and not f.takes(z(3), verify=False)
+    assert f.takes(z(1), verify=False) and all(f.takes(z(n), verify=False) for n in (3, 70, MAX_PREFILL))
+    assert not f.takes(z(MAX_PREFILL + 1), verify=False)
 
 
 def test_env_flag(monkeypatch):

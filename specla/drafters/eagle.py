@@ -300,7 +300,10 @@ class EagleDrafter(Drafter):
             self._bound = 0
             return
         cfg, dev, dt = self.model.cfg, self.target.device, self.target.dtype
-        self.k = torch.zeros(batch, cfg.num_heads, self.initial_capacity, cfg.head_dim, device=dev, dtype=dt)
+        # one spare slot past the capacity: every attention window is then a strided view, so
+        # the compiled rollout never specialises on a contiguous window (a recompile, ~20 s on
+        # the H200, the first time a window is narrower than the cache)
+        self.k = torch.zeros(batch, cfg.num_heads, self.initial_capacity + 1, cfg.head_dim, device=dev, dtype=dt)
         self.v = torch.zeros_like(self.k)
         # updated in place, so a captured rollout reads the current values
         self.len = torch.zeros(batch, dtype=torch.long, device=dev)
@@ -324,14 +327,19 @@ class EagleDrafter(Drafter):
         return self._compiled[mode]
 
     def _reserve(self, extra: int) -> None:
-        self._bound, new = kv_room(self.k.shape[2], self._bound, extra, self.len)
+        self._bound, new = kv_room(self.capacity, self._bound, extra, self.len)
         if new is not None:
-            self.k, self.v = grown(self.k, new), grown(self.v, new)
+            self.k, self.v = grown(self.k, new + 1), grown(self.v, new + 1)
             self._graphs, self._extend_graphs = {}, {}  # captured graphs hold the old buffers
+
+    @property
+    def capacity(self) -> int:
+        """Cache slots entries may occupy (the spare slot excluded)."""
+        return self.k.shape[2] - 1
 
     def _window(self) -> int:
         """Leading cache slots the next rollout attends over (its entries included)."""
-        return attention_window(self.k.shape[2], self._bound, self.entries, self._horizon)
+        return attention_window(self.capacity, self._bound, self.entries, self._horizon)
 
     @staticmethod
     def _store(keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,

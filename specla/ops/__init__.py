@@ -80,9 +80,11 @@ def _gdn_triton(state: torch.Tensor) -> bool:
     return use_triton(state) and state.dtype == torch.float32
 
 
-# From this many tokens on, a plain sequence goes to fla's chunk (prefill) kernel: its fixed
-# cost (~26 us per layer in graph replay, DESIGN §6) beats a recurrence at ~1 us per token.
-CHUNK_MIN_TOKENS = 64
+# From this many tokens on, a plain sequence goes to fla's chunk (prefill) kernel. Its GPU cost
+# is small (~26 us per layer in graph replay, DESIGN §6), but prefill is never replayed: called
+# eagerly it spends ~1 ms of host time per layer in fla's wrappers and autotuner lookups (H200
+# profile, 2026-12-01), where the serial kernel is one launch at ~1 us per token.
+CHUNK_MIN_TOKENS = 512
 
 
 def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, chain=False, valid=None):
