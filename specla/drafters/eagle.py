@@ -355,7 +355,10 @@ class EagleDrafter(Drafter):
         n = tokens.shape[1] - (0 if self.started else 1)
         if n > 0:
             self._reserve(n)  # host-side: may grow the cache (and drop the graphs over it)
-        if self.graphs and self.started and n > 0:
+        # a round's accepted path replays a graph per width; a prefill chunk (wider than any
+        # round) runs eagerly: a graph per prompt-chunk width would compile in the middle of a
+        # generation (2.1 s for a 2,077-token prompt's 28-token second chunk in bench e2e)
+        if self.graphs and self.started and 0 < n and tokens.shape[1] <= self.max_nodes:
             self._extend_replay(tokens, hidden, length)
         else:
             self._extend(tokens, hidden, length)
