@@ -116,6 +116,7 @@ class EagerTarget:
                 elif isinstance(t, tuple):
                     t[-1].zero_()  # pending: nothing left to apply
         self.cache.length.zero_()
+        self.cache.clean = True
 
     def prefill(self, tokens: torch.Tensor, capture=()) -> ModelOutput:
         return self.model.forward(tokens, self.cache, capture)
@@ -287,6 +288,7 @@ class GraphTarget(EagerTarget):
         graph, _ = self.graphs.get(key) or self._capture(
             key, lambda: self.cache.commit(records, self.path, self.length, self.delayed))
         graph.replay()
+        self.cache.clean = self.cache.clean and not self.delayed  # the replay committed
 
     def round(self, tokens, parents, capture=(), valid=None, probs=None, temperature=0.0, top_p=1.0,
               generator=None, delayed=True, chain=False):
@@ -307,6 +309,7 @@ class GraphTarget(EagerTarget):
 
         graph, outs = self.graphs.get(key) or self._capture(key, run)
         graph.replay()
+        self.cache.clean = self.cache.clean and not self.delayed  # the replay committed
         return outs
 
     def ar_round(self, temperature=0.0, top_p=1.0, generator=None) -> torch.Tensor:

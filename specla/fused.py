@@ -459,6 +459,8 @@ class FusedModel:
         bank = getattr(cache, "bank", None)
         bank = bank if parents is not None and bank is not None and bank.attached(cache) else None
         banked = set(bank.layers) if bank is not None else ()
+        if parents is None:
+            cache.flush()  # a plain sequence starts from the committed state (free when clean)
 
         def settle(x, r, want):
             if r is not None:
@@ -481,7 +483,6 @@ class FusedModel:
             mix = lay.mix
             cw, cb = lay.conv_args()
             if parents is None:
-                st.flush()
                 mark(x, r)
                 x, q, k, v, g, beta, z = lay.seq_pre(x, r, blk.attn_norm.weight, mix.in_proj.weight, st.conv,
                                                      cw, cb, mix.A_log, mix.dt_bias)

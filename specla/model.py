@@ -112,7 +112,8 @@ class GatedDeltaNet(nn.Module):
         return self.o_proj(y.reshape(B, n, -1).to(dtype))
 
     def forward(self, h, st: GDNLayerState):
-        st.flush()
+        """Consume h as a plain sequence from the committed state: the caller flushes any
+        pending update first (`Cache.flush`, as `Model.forward` does)."""
         x, z, a, b = self._project(h)
         xc = ops.conv_sequence(x, st.conv, self.conv_weight, self.conv_bias) if st.conv is not None else F.silu(x)
         q, k, v, g, beta = self._factors(xc, a, b, st.S.dtype)
@@ -244,6 +245,7 @@ class Model(nn.Module):
         fused = getattr(self, "_fused", None)
         if fused is not None and fused.takes(tokens, verify=False):
             return fused.forward(tokens, cache, capture)
+        cache.flush()  # a plain sequence starts from the committed state (free when clean)
         x = self.embeddings(tokens)
         hidden = {}
         for i, blk in enumerate(self.layers):

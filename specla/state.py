@@ -135,12 +135,18 @@ class Cache:
 
     `bank`: a `PendingBank` holding the pending buffers of the GDN layers, once a delayed
     commit needs them (built on the first delayed commit, or up front by `GraphTarget`).
+    `clean`: host-side knowledge that no layer holds a pending update (the cache was just
+    emptied or flushed), so `flush` launches nothing: a prefill after `Target.reset` would
+    otherwise run three launches a layer to apply empty updates. Every delayed commit clears
+    it, also those a CUDA graph replays (`GraphTarget` clears it on the host). Under a graph
+    capture `flush` always runs: the graph must hold the work for whatever state it replays on.
     """
 
     def __init__(self, layers: list, length: torch.Tensor):
         self.layers = layers
         self.length = length
         self.bank: PendingBank | None = None
+        self.clean = False
 
     def make_bank(self, records: list | None, batch: int, nodes: int, shapes=None) -> PendingBank | None:
         """Stack the pending buffers of every GDN layer (all must have equal factor shapes,
@@ -185,9 +191,11 @@ class Cache:
 
     def flush(self) -> "Cache":
         """Apply every pending accepted update; afterwards S equals AR's state."""
-        for s in self.layers:
-            if isinstance(s, GDNLayerState):
-                s.flush()
+        if not self.clean or _capturing():
+            for s in self.layers:
+                if isinstance(s, GDNLayerState):
+                    s.flush()
+            self.clean = True
         return self
 
     def commit(self, records: list, path: torch.Tensor, length: torch.Tensor, delayed: bool = False) -> None:
@@ -199,9 +207,10 @@ class Cache:
         """
         bank = None
         if delayed:
+            self.clean = False
             bank = self.bank
             if bank is None or not bank.attached(self) or not bank.fits(records, path):
-                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                if _capturing():
                     # new buffers inside a capture would leave the verify graph reading stale ones
                     raise RuntimeError("Cache.commit: the pending buffers do not fit this commit "
                                        f"(path {tuple(path.shape)}) during CUDA graph capture")
@@ -235,6 +244,10 @@ class Cache:
             else:
                 layers.append(KVLayerState(s.k.clone(), s.v.clone()))
         return Cache(layers, self.length.clone())
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _commit_kv(s: KVLayerState, rec: KVRecord, path, length, start) -> None:

@@ -81,3 +81,31 @@ def test_reused_target_starts_clean(emulated_graphs, graphs):
     Decoder(model, drafter, graphs=graphs, targets=shared).generate(a, 30)
     assert Decoder(model, drafter, graphs=graphs, targets=shared).generate(b, 30).tokens == fresh
     assert len(shared) == 1
+
+
+def test_flush_runs_only_when_something_may_be_pending(emulated_graphs, monkeypatch):
+    """A reset cache is clean: the prefill's flush launches nothing. A delayed round (here a
+    replayed graph) makes it unclean, and the next flush applies the pending update."""
+    from specla.model import GDNLayerState
+
+    calls = []
+    real = GDNLayerState.flush
+    monkeypatch.setattr(GDNLayerState, "flush", lambda self: calls.append(1) or real(self))
+    model = random_model(tiny_config(2), 2)
+    prompt = torch.tensor([[5, 1, 7, 3, 5, 1, 7, 3, 9, 2, 5, 1]])
+    target = engine.GraphTarget(model, 1, 64, 10, delayed=True)
+    target.reset()
+    target.prefill(prompt[:, :-1])
+    assert target.cache.clean and calls == []
+    target.begin(prompt[:, -1], 8, set())
+    tokens = torch.tensor([[1, 7, 3, 9]])
+    target.round(tokens, torch.tensor([[-1, 0, 1, 2]]))
+    assert not target.cache.clean
+    target.flush()
+    assert target.cache.clean and len(calls) == len(model.layers)
+    ar = model.new_cache(1, 64)
+    model(prompt[:, :-1], ar)
+    n = int(target.cache.length[0]) - prompt.shape[1] + 1  # the round's accepted tokens
+    model(torch.cat([prompt[:, -1:], tokens[:, 1:n]], 1), ar)
+    for a, b in zip(target.cache.layers, ar.layers):
+        assert (a.S - b.S).abs().max() < 1e-10
