@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 from dataclasses import dataclass
 
 import torch
 
 from specla import acceptance, fused, graphs
+from specla.drafters.base import pad_draft
 from specla.model import Model, ModelOutput
 from specla.state import Cache, GDNLayerState
 
@@ -51,37 +51,6 @@ def settle(tokens, parents, valid, logits, hidden, acc, emitted, done, room, eos
     last = toks.gather(1, (count - 1).clamp(min=0)[:, None]).squeeze(1)
     next_root.copy_(torch.where(count > 0, last, next_root))
     return path_tokens, {i: h[rows, acc.path] for i, h in hidden.items()}, count, rep
-
-
-@functools.lru_cache(maxsize=None)
-def _chain_parents(width: int, device: torch.device) -> torch.Tensor:
-    """[-1, 0, 1, ..., width - 2]: node j's parent j - 1 (padding copies a slice of it, so a
-    round launches no arange)."""
-    return torch.arange(-1, width - 1, device=device)
-
-
-def pad_draft(tokens, parents, valid, width: int, out=None):
-    """A draft [B, n] padded to `width` nodes with a chain under its last node (its last token
-    repeated, node j's parent j - 1), and its real node count [B] (acceptance ignores the
-    padding): written into `out` = (tokens, parents, valid) buffers when given (the static
-    buffers of a CUDA graph), else into new tensors."""
-    B, n = tokens.shape
-    if n > width:
-        raise ValueError(f"draft of {n} nodes exceeds the verify width of {width}")
-    dev = tokens.device
-    if out is None:
-        out = (torch.empty(B, width, dtype=tokens.dtype, device=dev),
-               torch.empty(B, width, dtype=parents.dtype, device=dev), torch.empty(B, dtype=torch.long, device=dev))
-    t, p, v = out
-    t[:, :n].copy_(tokens)
-    t[:, n:].copy_(tokens[:, -1:].expand(-1, width - n))
-    p[:, :n].copy_(parents)
-    p[:, n:].copy_(_chain_parents(width, dev)[n:])
-    if valid is None:
-        v.fill_(n)
-    else:
-        v.copy_(valid)
-    return out
 
 
 class EagerTarget:

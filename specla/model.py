@@ -260,7 +260,7 @@ class Model(nn.Module):
                capture: tuple[int, ...] = (), chain: bool = False, valid=None) -> ModelOutput:
         """Score every node of the topology `parents` [B, n] (node 0 = root) from `cache`.
         `chain`: the caller promises a chain (attention then reads keys in position order).
-        `valid` [B]: real nodes per row; the rest is padding (`engine.pad_draft`) whose outputs
+        `valid` [B]: real nodes per row; the rest is padding (`drafters.base.pad_draft`) whose outputs
         nobody reads, which lets the GDN recurrence stop early."""
         fused = getattr(self, "_fused", None)
         if fused is not None and fused.takes(tokens, verify=True):

@@ -7,6 +7,7 @@ consumed token, delivered through `extend`), and the target's cache (ReaDy reads
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -69,19 +70,44 @@ class Drafter:
 
 
 def pad_drafts(rows: list[tuple[list[int], list[int]]], device=None) -> Draft:
-    """Stack per-row (tokens, parents) of different sizes into one Draft.
-
-    Short rows are padded with a chain hanging off their last node (a valid topology);
-    `valid` tells acceptance to ignore the padding.
-    """
+    """Stack per-row (tokens, parents) of different sizes into one Draft, each row padded as
+    `pad_draft` pads (`valid` tells acceptance to ignore the padding)."""
     n = max(len(t) for t, _ in rows)
-    toks, pars = [], []
-    for t, p in rows:
-        toks.append(t + [t[-1]] * (n - len(t)))
-        pars.append(p + list(range(len(p) - 1, n - 1)))
-    valid = None if all(len(t) == n for t, _ in rows) else torch.tensor([len(t) for t, _ in rows], device=device)
-    return Draft(torch.tensor(toks, dtype=torch.long, device=device),
-                 torch.tensor(pars, dtype=torch.long, device=device), valid=valid)
+    padded = [pad_draft(torch.tensor([t], device=device), torch.tensor([p], device=device), None, n)
+              for t, p in rows]
+    tokens, parents, valid = (torch.cat(parts) for parts in zip(*padded))
+    return Draft(tokens, parents, valid=None if all(len(t) == n for t, _ in rows) else valid)
+
+
+@functools.lru_cache(maxsize=None)
+def _chain_parents(width: int, device: torch.device) -> torch.Tensor:
+    """[-1, 0, 1, ..., width - 2]: node j's parent j - 1 (padding copies a slice of it, so a
+    round launches no arange)."""
+    return torch.arange(-1, width - 1, device=device)
+
+
+def pad_draft(tokens, parents, valid, width: int, out=None):
+    """A draft [B, n] padded to `width` nodes with a chain under its last node (its last token
+    repeated, node j's parent j - 1), and its real node count [B] (acceptance ignores the
+    padding): written into `out` = (tokens, parents, valid) buffers when given (the static
+    buffers of a CUDA graph), else into new tensors."""
+    B, n = tokens.shape
+    if n > width:
+        raise ValueError(f"draft of {n} nodes exceeds the verify width of {width}")
+    dev = tokens.device
+    if out is None:
+        out = (torch.empty(B, width, dtype=tokens.dtype, device=dev),
+               torch.empty(B, width, dtype=parents.dtype, device=dev), torch.empty(B, dtype=torch.long, device=dev))
+    t, p, v = out
+    t[:, :n].copy_(tokens)
+    t[:, n:].copy_(tokens[:, -1:].expand(-1, width - n))
+    p[:, :n].copy_(parents)
+    p[:, n:].copy_(_chain_parents(width, dev)[n:])
+    if valid is None:
+        v.fill_(n)
+    else:
+        v.copy_(valid)
+    return out
 
 
 def kv_room(capacity: int, bound: int, extra: int, length: torch.Tensor) -> tuple[int, int | None]:

@@ -73,7 +73,7 @@ def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, valid
     `pending = (k, g, u, length)`, a gathered accepted path from the previous round (delayed
     update, path = 0..P-1), is first applied to `state` in place; nothing else is written.
 
-    `valid` [B]: nodes j >= valid[b] are padding (`engine.pad_draft`; no real node lies below
+    `valid` [B]: nodes j >= valid[b] are padding (`drafters.base.pad_draft`; no real node lies below
     one). Nothing may read their o and u: this reference and the serial kernel write zeros
     there without running their recurrence; the hybrid kernel takes no `valid` and computes
     them like any node.

@@ -19,7 +19,7 @@ pending accepted path right after it is loaded, written back to `state` (the dur
 includes the previous round's commit), and verification continues from the advanced tile.
 
 `valid` [B] (chains and the serial tree pass): nodes j >= valid[b] are padding of a fixed-width
-verify (`engine.pad_draft`); the recurrence stops there and their o and u are written as zeros.
+verify (`drafters.base.pad_draft`); the recurrence stops there and their o and u are written as zeros.
 Nodes are visited in index order, so no real node depends on a padding node.
 """
 
