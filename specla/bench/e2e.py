@@ -121,9 +121,10 @@ def plot(result: dict, path: Path) -> None:
         ax.invert_yaxis()
         if key.endswith("speedup"):
             ax.axvline(1.0, color="grey", lw=0.8, ls=":")
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"end-to-end greedy decoding, {result['max_new_tokens']} new tokens, {result['device']}")
-    fig.tight_layout()
+    # one legend above the panels: inside one, it would cover its bars
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="upper right", ncol=len(routes), fontsize=9)
+    fig.suptitle(f"end-to-end greedy decoding, {result['max_new_tokens']} new tokens, {result['device']}", x=0.35)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
