@@ -122,7 +122,7 @@ def plot(result: dict, path: Path) -> None:
         if key.endswith("speedup"):
             ax.axvline(1.0, color="grey", lw=0.8, ls=":")
     # one legend above the panels: inside one, it would cover its bars
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="upper right", ncol=len(routes), fontsize=9)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="upper right", ncol=max(1, len(routes)), fontsize=9)
     fig.suptitle(f"end-to-end greedy decoding, {result['max_new_tokens']} new tokens, {result['device']}", x=0.35)
     fig.tight_layout(rect=(0, 0, 1, 0.93))
     fig.savefig(path, dpi=120)
