@@ -293,6 +293,7 @@ class EagleDrafter(Drafter):
         """Start a generation: the cache empties in place when the batch size is unchanged, so
         its buffers and the captured rollouts are reused across generations."""
         self._horizon = horizon
+        self._drafting = False  # host flag: a proposal was made (extends now come from rounds)
         if getattr(self, "len", None) is not None and self.len.shape[0] == batch:
             self.len.zero_()
             self.pending.zero_()
@@ -355,10 +356,10 @@ class EagleDrafter(Drafter):
         n = tokens.shape[1] - (0 if self.started else 1)
         if n > 0:
             self._reserve(n)  # host-side: may grow the cache (and drop the graphs over it)
-        # a round's accepted path replays a graph per width; a prefill chunk (wider than any
-        # round) runs eagerly: a graph per prompt-chunk width would compile in the middle of a
-        # generation (2.1 s for a 2,077-token prompt's 28-token second chunk in bench e2e)
-        if self.graphs and self.started and 0 < n and tokens.shape[1] <= self.max_nodes:
+        # a round's accepted path replays a graph per width; prefill chunks (before the first
+        # proposal) run eagerly: a graph per prompt-chunk width would compile in the middle of
+        # a generation (2.1 s for a 2,077-token prompt's 28-token second chunk in bench e2e)
+        if self.graphs and self.started and self._drafting and n > 0:
             self._extend_replay(tokens, hidden, length)
         else:
             self._extend(tokens, hidden, length)
@@ -405,6 +406,7 @@ class EagleDrafter(Drafter):
     def propose(self, ctx: DraftContext) -> Draft:
         dev = self.target.device
         root = ctx.root if ctx.root is not None else torch.tensor([h[-1] for h in ctx.history], device=dev)
+        self._drafting = True
         if not self.started:  # a one-token prompt: no feature to draft from yet
             return Draft(root[:, None], topology.chain(1, root.shape[0], device=dev))
         self._reserve(self.entries)
