@@ -256,8 +256,13 @@ class GraphTarget(EagerTarget):
         records = self.records
         graph, _ = self.graphs.get(key) or self._capture(
             key, lambda: self.cache.commit(records, self.path, self.length, self.delayed))
+        self._replay_commit(graph)
+
+    def _replay_commit(self, graph) -> None:
+        """Replay a graph that commits; a delayed commit leaves a pending update behind, which
+        the host must know (`Cache.clean`: the replay runs no Python)."""
         graph.replay()
-        self.cache.clean = self.cache.clean and not self.delayed  # the replay committed
+        self.cache.clean = self.cache.clean and not self.delayed
 
     def round(self, tokens, parents, capture=(), valid=None, probs=None, temperature=0.0, top_p=1.0,
               generator=None, delayed=True, chain=False):
@@ -277,8 +282,7 @@ class GraphTarget(EagerTarget):
             return settled
 
         graph, outs = self.graphs.get(key) or self._capture(key, run)
-        graph.replay()
-        self.cache.clean = self.cache.clean and not self.delayed  # the replay committed
+        self._replay_commit(graph)
         return outs
 
     def ar_round(self, temperature=0.0, top_p=1.0, generator=None) -> torch.Tensor:

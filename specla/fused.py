@@ -52,6 +52,7 @@ templates against cuBLAS and fuse epilogues into them; much longer compiles).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -346,10 +347,6 @@ def mark_dynamic(dim: int, *ts) -> None:
             torch._dynamo.maybe_mark_dynamic(t, dim)
 
 
-def _mark_tokens(*ts) -> None:
-    """Mark dimension 1 (tokens / nodes) of these region inputs dynamic."""
-    mark_dynamic(1, *ts)
-
 
 class _Layer:
     """One fusable block (GDN mixer + SwiGLU MLP): its compiled regions and weight handles."""
@@ -450,7 +447,7 @@ class FusedModel:
         m = self.model
         x, r = m.embeddings(tokens), None  # r: the last MLP output, not yet added to x
         if self.dynamic_tokens and tokens.shape[1] > 1:
-            mark = _mark_tokens  # one compiled graph for every verify or prefill size (dim 1 symbolic)
+            mark = functools.partial(mark_dynamic, 1)  # one graph for every verify or prefill size
         else:
             mark = lambda *ts: None  # noqa: E731
         hidden, records, want = {}, [], None  # want: the captured layer whose x is x + r

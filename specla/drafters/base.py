@@ -71,12 +71,14 @@ class Drafter:
 
 def pad_drafts(rows: list[tuple[list[int], list[int]]], device=None) -> Draft:
     """Stack per-row (tokens, parents) of different sizes into one Draft, each row padded as
-    `pad_draft` pads (`valid` tells acceptance to ignore the padding)."""
+    `pad_draft` pads, on host lists (a host drafter calls it every round: one tensor per
+    field, not a pad per row); `valid` tells acceptance to ignore the padding."""
     n = max(len(t) for t, _ in rows)
-    padded = [pad_draft(torch.tensor([t], device=device), torch.tensor([p], device=device), None, n)
-              for t, p in rows]
-    tokens, parents, valid = (torch.cat(parts) for parts in zip(*padded))
-    return Draft(tokens, parents, valid=None if all(len(t) == n for t, _ in rows) else valid)
+    toks = [t + [t[-1]] * (n - len(t)) for t, _ in rows]
+    pars = [p + list(range(len(p) - 1, n - 1)) for _, p in rows]
+    valid = None if all(len(t) == n for t, _ in rows) else torch.tensor([len(t) for t, _ in rows], device=device)
+    return Draft(torch.tensor(toks, dtype=torch.long, device=device),
+                 torch.tensor(pars, dtype=torch.long, device=device), valid=valid)
 
 
 @functools.lru_cache(maxsize=None)
