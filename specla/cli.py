@@ -277,6 +277,8 @@ def bench_ready(
     rows: str = typer.Option("dspark,dspark_ft,ready", help="Standard rows to run beside ar (ablation runs: fewer)."),
     name: Optional[str] = typer.Option(None, help="Result file stem (default ready)."),
     operator: bool = typer.Option(True, "--operator/--no-operator", help="Time the fused state-reader operator."),
+    compile: Optional[str] = typer.Option(None, "--compile", help="default | max-autotune: the fused decode path "
+                                          "(SPECLA_COMPILE=1 does the same)."),
     summary_only: bool = typer.Option(False, "--summary-only", help="Recompute <name>.json's suites from its log "
                                       "(intervals, paired ratios); the measured sections stay."),
     out: Path = typer.Option(Path("benchmarks/results")),
@@ -298,7 +300,8 @@ def bench_ready(
         raise InputError("--variant takes NAME=DIR")
     run(model, dspark, dspark_ft, ready, dict(v.split("=", 1) for v in variant),
         tuple(s for s in suites.split(",") if s), n_prompts, max_new_tokens, device, threshold=threshold,
-        operator=operator, quick=quick, max_minutes=max_minutes, out_dir=out, rows=picked, name=name)
+        operator=operator, quick=quick, max_minutes=max_minutes, out_dir=out, rows=picked, name=name,
+        compile=compile)
 
 
 @train_app.command("card")

@@ -2,7 +2,8 @@
 
 Routes: `ar`; `fla` (FLA-SD: the chain drafter verified by fla's own model, token-replay
 commit); `chain` (8-token chains of the trained drafter); `tree` (≤ 16 nodes, top-k 4, the
-trained drafter); `ngram` (prompt lookup, trees). Per suite (`mixed` 480, `gsm8k` 1,319,
+trained drafter); `ngram` (prompt lookup, trees); `dspark`, `ready` (7-token blocks of the
+parallel block drafters, docs/ready.md; not run by default). Per suite (`mixed` 480, `gsm8k` 1,319,
 `humaneval` 164) each prompt is generated once per route; the speedup is AR's summed latency
 over the route's summed latency on the same prompts, with a 95% bootstrap interval over
 prompts (and the same without prefill: `decode_speedup`), beside mean accepted length (τ:
@@ -28,7 +29,7 @@ import torch
 
 from specla.bench.common import RESULTS, bootstrap, environment, write_results
 
-BASE_ROUTES = ("ar", "fla", "chain", "tree", "ngram")
+BASE_ROUTES = ("ar", "fla", "chain", "tree", "ngram", "dspark", "ready")
 ROUTES = BASE_ROUTES + tuple(f"{r}+exact" for r in BASE_ROUTES if r != "fla")
 SUITES = ("mixed", "gsm8k", "humaneval")
 EXACT = "+exact"
@@ -43,6 +44,8 @@ def _route_kwargs(route: str) -> dict:
         "chain": dict(route="chain", chain_length=8),
         "tree": dict(route="tree", tree_topk=4, tree_budget=16, tree_depth=8),
         "ngram": dict(route="tree", drafter="ngram", tree_topk=4, tree_budget=16),
+        "dspark": dict(route="dspark", chain_length=7),  # block drafters: 7 tokens in one forward (docs/ready.md)
+        "ready": dict(route="ready", chain_length=7),
     }[route]
 
 

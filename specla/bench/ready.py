@@ -315,7 +315,7 @@ def run(target=None, dspark=None, dspark_ft=None, ready=None, variants: dict | N
         suites=SUITES, n_prompts: int | None = 80, max_new_tokens: int = 256, device: str = "cuda",
         dtype: str = "auto", graphs: bool | None = None, threshold: float = 0.0, delayed: bool = True,
         operator: bool = True, quick: bool = False, max_minutes: float | None = None, out_dir=RESULTS,
-        progress: bool = True, rows=ROWS, name: str | None = None) -> dict:
+        progress: bool = True, rows=ROWS, name: str | None = None, compile: str | None = None) -> dict:
     """Run the benchmark; returns (and writes) the result dict. Drafter directories default to
     <target>/dspark, <target>/dspark-ft, <target>/ready; missing ones are skipped (quick mode:
     random drafters instead, so the smoke test runs anywhere)."""
@@ -329,7 +329,7 @@ def run(target=None, dspark=None, dspark_ft=None, ready=None, variants: dict | N
     out.mkdir(parents=True, exist_ok=True)
     if quick:
         n_prompts, max_new_tokens = min(n_prompts or 1, 1), min(max_new_tokens, 16)
-    lm = api.load(target, device=device, dtype=dtype)
+    lm = api.load(target, device=device, dtype=dtype, compile=compile)
     dev = lm.model.device
     graphs = dev.type == "cuda" if graphs is None else graphs
     stem = name or ("ready" if dev.type == "cuda" else "ready_cpu_smoke")
@@ -346,7 +346,8 @@ def run(target=None, dspark=None, dspark_ft=None, ready=None, variants: dict | N
         used[name] = str(path)
     result = {"config": {"target": str(lm.model_dir), "dtype": str(lm.model.dtype), "n_prompts": n_prompts,
                          "max_new_tokens": max_new_tokens, "graphs": graphs, "threshold": threshold,
-                         "delayed": delayed, "block_size": P, "quick": quick},
+                         "delayed": delayed, "block_size": P, "quick": quick,
+                         "fused": getattr(lm.model, "_fused", None) is not None},
               "drafters": used}
     deadline = t0 + max_minutes * 60 if max_minutes else None
     try:
