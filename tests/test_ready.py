@@ -91,8 +91,9 @@ def test_block_drafters_on_the_fused_path_equal_ar(kind):
 @pytest.mark.parametrize("kind", ["dspark", "ready"])
 def test_block_drafters_attend_over_a_window_of_a_large_cache(monkeypatch, kind):
     """Graphed (emulated) with a cache far larger than the context, a block drafter attends
-    over the leading slots the generation needs (a graph per window) and drafts exactly what
-    an eager drafter with a small, growing cache drafts."""
+    over the leading slots the generation needs (a graph per window), extends its context from
+    a graph per accepted-path width, and drafts exactly what an eager drafter with a small,
+    growing cache drafts."""
     emulate_graphs(monkeypatch)
     cfg = tiny_config(1, vocab_size=24)
     model = random_model(cfg, 1)
@@ -107,6 +108,7 @@ def test_block_drafters_attend_over_a_window_of_a_large_cache(monkeypatch, kind)
         assert a[0] == b[0] == Decoder(model).run(prompt, 32)[0]
         assert [r.accepted for r in a[1].rounds] == [r.accepted for r in b[1].rounds]
         assert window in large._graphs and large.k[0].shape[2] == 1024
+        assert list(large._extend_graphs) == [8]  # rounds extend by the 8-node path from a graph
 
 
 def test_batched_rows():

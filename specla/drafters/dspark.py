@@ -343,6 +343,7 @@ class DSparkDrafter(Drafter):
         """Start a generation: the cache empties in place when the batch size is unchanged (its
         buffers, and the captured graphs, are reused across generations)."""
         self._horizon = horizon
+        self._drafting = False  # host flag: a proposal was made (extends now come from rounds)
         if getattr(self, "len", None) is not None and self.len.shape[0] == batch:
             self.len.zero_()
             self._bound = 0
@@ -355,23 +356,37 @@ class DSparkDrafter(Drafter):
         self._bound = 0  # host-side upper bound of max(self.len)
         self._root = torch.zeros(batch, dtype=torch.long, device=dev)  # the graphs' input
         self._graphs, self._graph_key = {}, None  # by attention window, over the buffers of _graph_key
+        self._extend_graphs = {}  # by accepted-path width
 
     def _reserve(self, extra: int) -> None:
         self._bound, new = kv_room(self.k[0].shape[2], self._bound, extra, self.len)
         if new is not None:
             self.k = [grown(t, new) for t in self.k]
             self.v = [grown(t, new) for t in self.v]
-            self._graphs = {}
+            self._graphs, self._extend_graphs = {}, {}  # captured graphs hold the old buffers
 
     @torch.no_grad()
     def extend(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], length: torch.Tensor) -> None:
         """One context entry per consumed token (entries past length[b] land past the new length,
-        where later writes replace them)."""
+        where later writes replace them). With graphs, a round's accepted path (its width fixed
+        by the target's node budget) replays a graph per width: eagerly its ~75 small kernels
+        cost more host time than the whole block forward; prefill chunks (any width, before the
+        first proposal) run eagerly."""
+        n = hidden[self.capture[0]].shape[1]
+        if n:
+            self._reserve(n)
+        if self.graphs and self._drafting and n:
+            self._extend_replay(hidden, length)
+        else:
+            self._extend(hidden, length)
+        self._bound += n
+
+    def _extend(self, hidden: dict[int, torch.Tensor], length: torch.Tensor) -> None:
+        """The device work of `extend` (the cache must have room: `_reserve`)."""
         m = self.model
         feat = m.features([hidden[i] for i in self.capture])  # [B, n, D]
         B, n = feat.shape[:2]
         if n:
-            self._reserve(n)
             slots = self.len[:, None] + torch.arange(n, device=feat.device)
             for i in range(len(m.layers)):
                 k, v = m.context_kv(i, feat, slots)
@@ -379,7 +394,19 @@ class DSparkDrafter(Drafter):
                 self.k[i].scatter_(2, idx, k.transpose(1, 2).to(self.k[i].dtype))
                 self.v[i].scatter_(2, idx, v.transpose(1, 2).to(self.v[i].dtype))
         self.len.add_(length)
-        self._bound += n
+
+    def _extend_replay(self, hidden: dict[int, torch.Tensor], length: torch.Tensor) -> None:
+        n = hidden[self.capture[0]].shape[1]
+        if n not in self._extend_graphs:
+            # warm-up and capture with zero lengths: their writes land past the committed length
+            # (slots the next extend overwrites before any block forward reads them)
+            static = ({i: hidden[i].clone() for i in self.capture}, torch.zeros_like(length))
+            self._extend_graphs[n] = (graphs.capture(lambda: self._extend(*static)), static)
+        graph, (st_hid, st_len) = self._extend_graphs[n]
+        for i in self.capture:
+            st_hid[i].copy_(hidden[i])
+        st_len.copy_(length)
+        graph.replay()
 
     # drafting ---------------------------------------------------------------------------------
     def reader(self, cache):
@@ -442,6 +469,7 @@ class DSparkDrafter(Drafter):
     def propose(self, ctx: DraftContext) -> Draft:
         dev = self.target.device
         root = ctx.root if ctx.root is not None else torch.tensor([h[-1] for h in ctx.history], device=dev)
+        self._drafting = True
         window = self._window()
         tokens, keep = (self._replay(root, ctx.cache, window) if self.graphs
                         else self.draft(root, ctx.cache, window))
