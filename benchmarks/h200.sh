@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One lane of a call on the H200 device machine: `LANE=a bash benchmarks/h200.sh STEP...`,
-# run from the repo root, with `.whl` (fla wheels), `.corpus` (when collecting responses) and
+# run from the repo root, with `.whl` (fla wheels), `.corpus` (when collecting responses: the
+# 1.6 MB `specla data prompt-corpus` copy does; the full corpus does not fit beside the repo) and
 # `.run` (earlier runs' data) carried. On a two-GPU machine run two lanes side by side, each
 # with its own CUDA_VISIBLE_DEVICES. Each step is bounded by its own timeout so one failure
 # does not eat the call. At most 8 files come back: each lane packs its logs and results in

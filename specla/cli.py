@@ -345,6 +345,18 @@ def data_responses(
         max_minutes=max_minutes, graphs=graphs, shard=(k, n), device=device, dtype=dtype)))
 
 
+@data_app.command("prompt-corpus")
+def data_prompt_corpus(
+    corpus: Path = typer.Option(Path(".corpus"), help="Corpus directory from `specla data corpus`."),
+    out: Path = typer.Option(Path(".corpus-prompts"), help="Output directory (pass it to `data responses --corpus`)."),
+):
+    """A prompts-only copy of the corpus (ShareGPT openers): `data responses` picks the same prompts
+    from it, and it is small enough to travel to a GPU machine beside the repository."""
+    from specla.train.drafter import prompt_corpus
+
+    typer.echo(json.dumps(prompt_corpus(corpus, out)))
+
+
 @data_app.command("merge-responses")
 def data_merge_responses(
     out: Path = typer.Option(..., help="Output .npz."),

@@ -24,7 +24,7 @@ from specla.drafters.eagle import (EagleConfig, EagleDrafter, EagleDrafterModel,
                                    save_drafter)
 from specla.errors import CheckpointError, InputError
 from specla.train.drafter import (ResponseSet, collect_responses, generate_responses, merge_responses,
-                                  opening_turns, save_responses, train_drafter)
+                                  opening_turns, prompt_corpus, save_responses, train_drafter, training_prompts)
 
 from conftest import random_model, tiny_config
 from graph_emulation import emulate_graphs
@@ -315,6 +315,24 @@ def test_opening_turns():
             "<|user|>\nMore\n<|assistant|>\nOk<|eos|>")
     assert opening_turns(text) == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi\nthere"}]
     assert opening_turns("<|bos|><|assistant|>\nx<|eos|>") == []
+
+
+def test_prompt_corpus_picks_the_same_prompts(tmp_path):
+    from specla.data.tokenizer import render_chat
+
+    src = tmp_path / "corpus"
+    src.mkdir()
+    with lzma.open(src / "train.jsonl.xz", "wt") as f:
+        for i in range(40):
+            turns = [{"role": "system", "content": "Be brief."}] * (i % 3 == 0) + [
+                {"role": "user", "content": f"question {i}?\nline two"}, {"role": "assistant", "content": "answer"},
+                {"role": "user", "content": "more"}, {"role": "assistant", "content": "ok"}]
+            f.write(json.dumps({"source": "sharegpt", "id": f"c{i}_{i % 3}", "text": render_chat(turns)}) + "\n")
+            f.write(json.dumps({"source": "pydocs", "id": f"d{i}", "text": "<|bos|>text<|eos|>"}) + "\n")
+    summary = prompt_corpus(src, tmp_path / "prompts")
+    assert summary["records"] == 14  # first chunks (_0) only
+    for n in (5, 20):
+        assert training_prompts(tmp_path / "prompts", n, 0.4, seed=3) == training_prompts(src, n, 0.4, seed=3)
 
 
 def test_collect_responses(tmp_path):

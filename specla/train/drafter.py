@@ -78,6 +78,29 @@ def training_prompts(corpus_dir, n_prompts: int, gsm8k_share: float = 0.3, seed:
     return [picked[i] for i in rng.permutation(len(picked))]
 
 
+def prompt_corpus(corpus_dir, out_dir) -> dict:
+    """A prompts-only copy of a corpus: the records `training_prompts` reads (ShareGPT first
+    chunks with an opening), each cut to its opening turns, in the same order, so both pick the
+    same prompts. 1.6 MB instead of 23 MB for the reference corpus: what travels to a GPU
+    machine to collect responses."""
+    import lzma
+
+    from specla.data.corpus import iter_records
+    from specla.data.tokenizer import render_chat
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    kept = 0
+    with lzma.open(out / "train.jsonl.xz", "wt", encoding="utf-8", preset=9) as f:
+        for r in iter_records(corpus_dir, "train"):
+            if r["source"] == "sharegpt" and _CHUNK.search(r["id"]).group(1) in (None, "0"):
+                turns = opening_turns(r["text"])
+                if turns:
+                    f.write(json.dumps({"source": r["source"], "id": r["id"], "text": render_chat(turns)}) + "\n")
+                    kept += 1
+    return {"out": str(out), "records": kept, "bytes": (out / "train.jsonl.xz").stat().st_size}
+
+
 def chat_header(tokenizer) -> int:
     """Tokens every chat prompt starts with (BOS, the first role marker): kept when cutting."""
     a = tokenizer.apply_chat_template([{"role": "user", "content": "a"}])
