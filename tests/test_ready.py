@@ -2,10 +2,12 @@
 train/draft consistency, checkpoints, committed states for training, two-stage training (CPU)."""
 
 import json
+import shutil
 
 import pytest
 import torch
 
+from specla import fused
 from specla.api import DEMO_DIR
 from specla.decode import Decoder
 from specla.drafters.dspark import (DSparkConfig, DSparkDrafter, DSparkModel, find_block_drafter,
@@ -107,8 +109,41 @@ def test_block_drafters_attend_over_a_window_of_a_large_cache(monkeypatch, kind)
         b = Decoder(model, large).run(prompt, 32)
         assert a[0] == b[0] == Decoder(model).run(prompt, 32)[0]
         assert [r.accepted for r in a[1].rounds] == [r.accepted for r in b[1].rounds]
-        assert window in large._graphs and large.k[0].shape[2] == 1024
+        assert window in large._graphs and large.capacity == 1024
         assert list(large._extend_graphs) == [8]  # rounds extend by the 8-node path from a graph
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("cc") is None,
+                    reason="torch.compile on CPU needs a C++ compiler (none found)")
+@pytest.mark.parametrize("kind", ["dspark", "ready"])
+def test_compiled_graphed_block_drafting_equals_eager(monkeypatch, kind):
+    """With a compile mode the graphed block forward and extend run compiled (the ReaDy read an
+    opaque op inside them): tokens and accepted counts equal the eager drafter's and AR's
+    (float64), and the window is symbolic: a narrower window captures a graph, never compiles."""
+    emulate_graphs(monkeypatch)
+    cfg = tiny_config(1, vocab_size=24)
+    model = random_model(cfg, 1)
+    m = block_model(kind, cfg, 1)
+    eager = make_drafter(kind, m, model, initial_capacity=8)
+    graphed = make_drafter(kind, m, model, initial_capacity=256, compile="default")
+    graphed.graphs = True
+    # prompts of 225 and 15 tokens: a window as wide as the cache (256), then a narrower one (128)
+    for i, (length, new) in enumerate(((150, 16), (10, 24))):
+        prompt = torch.tensor([make_prompt(cfg, 3 + i, length)])
+        ar = Decoder(model).run(prompt, new)[0]
+        a = Decoder(model, eager).run(prompt, new)
+        before = fused._compile_count()
+        b = Decoder(model, graphed).run(prompt, new)
+        if i == 0:
+            assert fused._compile_count() >= before + 2  # the block forward and the extend compiled
+        else:
+            assert fused._compile_count() == before
+        assert a[0] == b[0] == ar
+        assert [r.accepted for r in a[1].rounds] == [r.accepted for r in b[1].rounds]
+    # ReaDy's graphs read the target's cache buffers: the second generation's new cache dropped
+    # the first one's graphs (and recaptured, without compiling)
+    assert sorted(graphed._graphs) == ([128, 256] if kind == "dspark" else [128]) and graphed.capacity == 256
+    assert sum(r.accepted for r in b[1].rounds) > 0
 
 
 def test_batched_rows():

@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from specla import graphs
+from specla import fused, graphs
 from specla.attention import apply_rotary, rotary_inv_freq
 from specla.config import ModelConfig
 from specla.drafters.base import Draft, DraftContext, Drafter, attention_window, grown, kv_room
@@ -307,7 +307,9 @@ class DSparkDrafter(Drafter):
     threshold: cut the block after the last position whose cumulative predicted acceptance is
     at least this (0: never cut); min_draft: tokens kept whatever the confidence. graphs (CUDA):
     replay the block forward from a CUDA graph (captured at a generation's first round and
-    again when the context cache grows or the buffers it reads change).
+    again when the context cache grows or the buffers it reads change). compile: the graphed
+    block forward and extend compiled with this mode (`specla.fused`); None: the target
+    model's own (compiled when the target is fused, as under SPECLA_COMPILE).
     """
 
     name = "dspark"
@@ -315,7 +317,8 @@ class DSparkDrafter(Drafter):
     chain = True
 
     def __init__(self, model: DSparkModel, target: Model, threshold: float = 0.0, block: int | None = None,
-                 min_draft: int = 1, graphs: bool = False, initial_capacity: int = 256):
+                 min_draft: int = 1, graphs: bool = False, initial_capacity: int = 256,
+                 compile: str | None = None):
         P = model.cfg.block_size
         block = P if block is None else block
         if not 1 <= block <= P:
@@ -332,6 +335,9 @@ class DSparkDrafter(Drafter):
         self.max_nodes = block + 1
         self.capture = tuple(model.cfg.feature_layers)
         self.initial_capacity = initial_capacity
+        self.compile = compile
+        self._compiled: dict = {}
+        model._rotary(torch.empty(0, device=target.device, dtype=target.dtype))  # made here: compiled code only reads it
         self.reset(1)
 
     @classmethod
@@ -349,7 +355,9 @@ class DSparkDrafter(Drafter):
             self._bound = 0
             return
         cfg, dev, dt = self.model.cfg, self.target.device, self.target.dtype
-        shape = (batch, cfg.num_heads, self.initial_capacity, cfg.head_dim)
+        # a spare slot: every window is then a strided view, so a compiled block forward never
+        # specialises on a contiguous one (a window as wide as the cache would recompile)
+        shape = (batch, cfg.num_heads, self.initial_capacity + 1, cfg.head_dim)
         self.k = [torch.zeros(shape, device=dev, dtype=dt) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, device=dev, dtype=dt) for _ in range(cfg.num_layers)]
         self.len = torch.zeros(batch, dtype=torch.long, device=dev)  # consumed tokens (in place)
@@ -358,11 +366,15 @@ class DSparkDrafter(Drafter):
         self._graphs, self._graph_key = {}, None  # by attention window, over the buffers of _graph_key
         self._extend_graphs = {}  # by accepted-path width
 
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[2] - 1
+
     def _reserve(self, extra: int) -> None:
-        self._bound, new = kv_room(self.k[0].shape[2], self._bound, extra, self.len)
+        self._bound, new = kv_room(self.capacity, self._bound, extra, self.len)
         if new is not None:
-            self.k = [grown(t, new) for t in self.k]
-            self.v = [grown(t, new) for t in self.v]
+            self.k = [grown(t, new + 1) for t in self.k]
+            self.v = [grown(t, new + 1) for t in self.v]
             self._graphs, self._extend_graphs = {}, {}  # captured graphs hold the old buffers
 
     @torch.no_grad()
@@ -401,7 +413,8 @@ class DSparkDrafter(Drafter):
             # warm-up and capture with zero lengths: their writes land past the committed length
             # (slots the next extend overwrites before any block forward reads them)
             static = ({i: hidden[i].clone() for i in self.capture}, torch.zeros_like(length))
-            self._extend_graphs[n] = (graphs.capture(lambda: self._extend(*static)), static)
+            _, extend, guard = self._graph_fns()
+            self._extend_graphs[n] = (graphs.capture(lambda: extend(*static), guard()), static)
         graph, (st_hid, st_len) = self._extend_graphs[n]
         for i in self.capture:
             st_hid[i].copy_(hidden[i])
@@ -415,27 +428,33 @@ class DSparkDrafter(Drafter):
 
     def _window(self) -> int:
         """Leading context slots a block forward attends over."""
-        return attention_window(self.k[0].shape[2], self._bound, 0, self._horizon)
+        return attention_window(self.capacity, self._bound, 0, self._horizon)
 
-    def block_forward(self, root: torch.Tensor, cache=None, window: int | None = None):
+    def _views(self, window: int | None):
+        W = self.capacity if window is None else window
+        return [k[:, :, :W] for k in self.k], [v[:, :, :W] for v in self.v]
+
+    def block_forward(self, root: torch.Tensor, cache=None, window: int | None = None, views=None):
         """One block forward from roots [B], attending over the first `window` context slots
-        (default: all): (backbone logits [B, P, V], h [B, P, D]). Device work only."""
+        (default: all; or over `views`, per-layer (keys, values) windows of the cache):
+        (backbone logits [B, P, V], h [B, P, D]). Device work only."""
         m, tgt = self.model, self.target
         B, dev, P = root.shape[0], root.device, m.cfg.block_size
-        cap = self.k[0].shape[2] if window is None else window
+        keys, values = views if views is not None else self._views(window)
+        cap = keys[0].shape[2]
         x = m.block_input(tgt.embeddings(root))  # [B, P, D]
         pos = self.len[:, None] + torch.arange(P, device=dev)
         sees_ctx = (torch.arange(cap, device=dev)[None] < self.len[:, None])[:, None].expand(B, P, cap)
         mask = torch.cat([sees_ctx, torch.ones(B, P, P, dtype=torch.bool, device=dev)], -1)
         read = self.reader(cache)
         for i in range(len(m.layers)):
-            x = m.layer_forward(i, x, pos, self.k[i][:, :, :cap], self.v[i][:, :, :cap], mask, 1, read)
+            x = m.layer_forward(i, x, pos, keys[i], values[i], mask, 1, read)
         return m.logits(x, tgt.lm_head.weight), x
 
-    def draft(self, root: torch.Tensor, cache=None, window: int | None = None):
+    def draft(self, root: torch.Tensor, cache=None, window: int | None = None, views=None):
         """The block's greedy tokens [B, block] and how many to keep [B] (no host synchronisation)."""
         m = self.model
-        logits, h = self.block_forward(root, cache, window)
+        logits, h = self.block_forward(root, cache, window, views)
         acc = _acc(logits.dtype)
         prev, toks, lmax = root, [], []
         for i in range(self.block):
@@ -453,14 +472,30 @@ class DSparkDrafter(Drafter):
         """What a captured forward depends on besides values updated in place."""
         return (self.k[0].data_ptr(), self.k[0].shape[2])
 
+    def _graph_fns(self):
+        """(block draft, extend, capture guard factory) for the graphs: compiled when the drafter
+        or its target asks (a block forward and an extend are ~120 and ~75 small kernels
+        eagerly); kept across generations and cache growth."""
+        mode = self.compile or fused.mode_of(self.target)
+        if mode not in self._compiled:
+            # the attention window (cache slots, dim 2) is symbolic: one compile serves every window
+            draft, guard = fused.compile_for_graph(
+                lambda root, cache, keys, values: self.draft(root, cache, views=(keys, values)), mode, dynamic=True)
+            extend, _ = fused.compile_for_graph(self._extend, mode)
+            self._compiled[mode] = (draft, extend, guard)
+        return self._compiled[mode]
+
     def _replay(self, root: torch.Tensor, cache, window: int):
         key = self._graph_state(cache)
         if key != self._graph_key:
             self._graphs, self._graph_key = {}, key
         graph = self._graphs.get(window)
         if graph is None:
-            # the warm-up fills the rotary tables and the reader's address tables
-            graph = self._graphs[window] = graphs.capture(lambda: self.draft(self._root, cache, window))
+            keys, values = self._views(window)
+            fused.mark_dynamic(2, *keys, *values)
+            draft, _, guard = self._graph_fns()
+            # the warm-up fills the reader's address tables (and compiles)
+            graph = self._graphs[window] = graphs.capture(lambda: draft(self._root, cache, keys, values), guard())
         self._root.copy_(root)
         graph.replay()
         return graph.out

@@ -204,10 +204,13 @@ class ReadyDrafter(DSparkDrafter):
         def read(q, value_map):
             # the committed state: pending accepted updates are applied (and written back: this
             # read is their flush), then nothing is pending any more
-            reads, sqn = reader_ops.state_read(states, pendings, q, value_map, flush=True)
-            for p in pendings:
-                if p is not None:
-                    p[3].zero_()
+            if all(p is not None for p in pendings):
+                reads, sqn = reader_ops.committed_read(states, *map(list, zip(*pendings)), q, value_map)
+            else:  # immediate commit: nothing is ever pending
+                reads, sqn = reader_ops.state_read(states, pendings, q, value_map, flush=True)
+                for p in pendings:
+                    if p is not None:
+                        p[3].zero_()
             if self.trace is not None:
                 self.trace.append(tuple(None if t is None else t.detach().clone() for t in (q, value_map, reads, sqn)))
             return reads, sqn
