@@ -193,9 +193,16 @@ def decode_section(lm, drafters: dict, suites, n_prompts, max_new_tokens: int, g
                              graphs=graphs, delayed=delayed) for row in ["ar", *drafters]}
     work = {suite: [(p.id, lm.encode_prompt(p.turns[0])) for p in _pick(load_suite(suite), n_prompts)]
             for suite in suites}
-    longest = max((ids for items in work.values() for _, ids in items), key=len)
-    for dec in decoders.values():  # the longest prompt sizes every buffer; graphs are captured here
-        dec.generate(longest, max_new_tokens)
+    # the longest prompt sizes every buffer; then the longest of every shorter power-of-two
+    # context size, so each attention window's graph is captured (and compiled) before timing
+    widest: dict = {}
+    for ids in (ids for items in work.values() for _, ids in items):
+        b = (len(ids) + max_new_tokens - 1).bit_length()
+        if b not in widest or len(ids) > len(widest[b]):
+            widest[b] = ids
+    for dec in decoders.values():
+        for ids in sorted(widest.values(), key=len, reverse=True):
+            dec.generate(ids, max_new_tokens)
     complete = True
     for suite in suites:
         bar = tqdm(work[suite], desc=f"ready bench {suite}", disable=not progress)
