@@ -315,6 +315,7 @@ class DSparkDrafter(Drafter):
     name = "dspark"
     device_root = True
     chain = True
+    fullgraph = True  # the compiled block forward is one graph
 
     def __init__(self, model: DSparkModel, target: Model, threshold: float = 0.0, block: int | None = None,
                  min_draft: int = 1, graphs: bool = False, initial_capacity: int = 256,
@@ -480,7 +481,8 @@ class DSparkDrafter(Drafter):
         if mode not in self._compiled:
             # the attention window (cache slots, dim 2) is symbolic: one compile serves every window
             draft, guard = fused.compile_for_graph(
-                lambda root, cache, keys, values: self.draft(root, cache, views=(keys, values)), mode, dynamic=True)
+                lambda root, cache, keys, values: self.draft(root, cache, views=(keys, values)), mode, dynamic=True,
+                fullgraph=self.fullgraph)
             extend, _ = fused.compile_for_graph(self._extend, mode)
             self._compiled[mode] = (draft, extend, guard)
         return self._compiled[mode]
@@ -494,7 +496,7 @@ class DSparkDrafter(Drafter):
             keys, values = self._views(window)
             fused.mark_dynamic(2, *keys, *values)
             draft, _, guard = self._graph_fns()
-            # the warm-up fills the reader's address tables (and compiles)
+            # the warm-up compiles and fills the reader's address tables
             graph = self._graphs[window] = graphs.capture(lambda: draft(self._root, cache, keys, values), guard())
         self._root.copy_(root)
         graph.replay()

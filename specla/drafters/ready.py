@@ -23,6 +23,7 @@ of the two-stage adaptation trains (`specla.train.block_drafter`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from dataclasses import dataclass, field
 
@@ -175,6 +176,21 @@ def find_ready(model_dir) -> Path | None:
     return find_block_drafter(model_dir, READY_DIR)
 
 
+@torch.compiler.disable  # a compiled block forward runs this read eagerly (a graph break): the
+# Triton read keeps its address table of the target's buffers as host state, which neither
+# traces nor survives Inductor's functionalisation (it would copy the states it writes back)
+def _read_committed(states, pendings, trace, q, value_map):
+    """The committed state read: pending accepted updates are applied (and written back: this
+    read is their flush), then nothing is pending any more."""
+    reads, sqn = reader_ops.state_read(states, pendings, q, value_map, flush=True)
+    for p in pendings:
+        if p is not None:
+            p[3].zero_()
+    if trace is not None:
+        trace.append(tuple(None if t is None else t.detach().clone() for t in (q, value_map, reads, sqn)))
+    return reads, sqn
+
+
 class ReadyDrafter(DSparkDrafter):
     """`DSparkDrafter` whose blocks read the target's committed states (`ctx.cache`).
 
@@ -182,6 +198,7 @@ class ReadyDrafter(DSparkDrafter):
     """
 
     name = "ready"
+    fullgraph = False  # the state read is a graph break (`_read_committed`)
 
     def __init__(self, model: ReadyModel, target: Model, **options):
         if not isinstance(model, ReadyModel):
@@ -201,21 +218,7 @@ class ReadyDrafter(DSparkDrafter):
         states = [st.S for st in layers]
         pendings = [st.pending for st in layers]
 
-        def read(q, value_map):
-            # the committed state: pending accepted updates are applied (and written back: this
-            # read is their flush), then nothing is pending any more
-            if all(p is not None for p in pendings):
-                reads, sqn = reader_ops.committed_read(states, *map(list, zip(*pendings)), q, value_map)
-            else:  # immediate commit: nothing is ever pending
-                reads, sqn = reader_ops.state_read(states, pendings, q, value_map, flush=True)
-                for p in pendings:
-                    if p is not None:
-                        p[3].zero_()
-            if self.trace is not None:
-                self.trace.append(tuple(None if t is None else t.detach().clone() for t in (q, value_map, reads, sqn)))
-            return reads, sqn
-
-        return read
+        return functools.partial(_read_committed, states, pendings, self.trace)
 
     def _graph_state(self, cache):
         bufs = []

@@ -42,24 +42,3 @@ def gather_then_read(states, pendings, queries, value_map=None):
         r = torch.einsum("bplhv,lvr->bplhr", r, value_map.to(St.dtype))
     return r, St.square().sum((-2, -1))
 
-
-@torch.library.custom_op("specla::committed_read", mutates_args=("states", "lengths"))
-def committed_read(states: list[torch.Tensor], ks: list[torch.Tensor], gs: list[torch.Tensor],
-                   us: list[torch.Tensor], lengths: list[torch.Tensor], queries: torch.Tensor,
-                   value_map: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """What a drafter reads at decode time: `state_read` of the committed states, each pending
-    update (k, g, u, length) applied and written back (the read is its flush), then the pending
-    lengths zeroed. One opaque op, so a compiled drafter (`torch.compile(fullgraph=True)`)
-    keeps the Triton launch, whose address table is host state, out of its trace."""
-    reads, sqn = state_read(states, list(zip(ks, gs, us, lengths)), queries, value_map, flush=True)
-    for n in lengths:
-        n.zero_()
-    return reads, sqn
-
-
-@committed_read.register_fake
-def _(states, ks, gs, us, lengths, queries, value_map):
-    B, NQ, L, HV, _ = queries.shape
-    R = states[0].shape[-1] if value_map is None else value_map.shape[-1]
-    dt = states[0].dtype
-    return queries.new_empty(B, NQ, L, HV, R, dtype=dt), queries.new_empty(B, L, HV, dtype=dt)
