@@ -41,4 +41,3 @@ def gather_then_read(states, pendings, queries, value_map=None):
     if value_map is not None:
         r = torch.einsum("bplhv,lvr->bplhr", r, value_map.to(St.dtype))
     return r, St.square().sum((-2, -1))
-
