@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specla import acceptance, fused, graphs
+from specla import acceptance, fused, graphs, ops
 from specla.drafters.base import pad_draft
 from specla.model import Model, ModelOutput
 from specla.state import Cache, GDNLayerState
@@ -99,9 +99,14 @@ class EagerTarget:
 
         `valid` [B]: real nodes per row; the rest is padding acceptance ignores. `chain`: the
         topology is a chain (`Model.verify`)."""
-        out = self.model.verify(tokens, parents, self.cache, capture, chain, valid)
+        out = self._model_verify(tokens, parents, capture, chain, valid)
         acc = acceptance.greedy(tokens, parents, out.logits, valid) if greedy else None
         return out, acc
+
+    def _model_verify(self, tokens, parents, capture, chain, valid):
+        # exact mode: the verifiers whose arithmetic an AR step shares (ops.exact_arithmetic)
+        with ops.exact_arithmetic(self.width is not None):
+            return self.model.verify(tokens, parents, self.cache, capture, chain, valid)
 
     def commit(self, records, path, length, delayed: bool) -> None:
         self.cache.commit(records, path, length, delayed)
@@ -235,7 +240,7 @@ class GraphTarget(EagerTarget):
         key = ("verify", tuple(capture), chain)
 
         def run():
-            out = self.model.verify(self.tokens, self.parents, self.cache, capture, chain, self.valid)
+            out = self._model_verify(self.tokens, self.parents, capture, chain, self.valid)
             return out, self._accept(self.tokens, self.parents, out.logits, self.valid)
 
         graph, (out, acc) = self.graphs.get(key) or self._capture(key, run)
@@ -275,7 +280,7 @@ class GraphTarget(EagerTarget):
         key = ("round", tuple(capture), chain)
 
         def run():
-            out = self.model.verify(self.tokens, self.parents, self.cache, capture, chain, self.valid)
+            out = self._model_verify(self.tokens, self.parents, capture, chain, self.valid)
             acc = self._accept(self.tokens, self.parents, out.logits, self.valid)
             settled = self._settle(self.tokens, self.parents, self.valid, out.logits, out.hidden, acc)
             self.cache.commit(out.records, acc.path, settled.count, self.delayed)

@@ -6,17 +6,20 @@ float64 states always take the torch references (the exactness tests; Triton run
 
 GDN verification (docs/kernels.md):
 - n = 1 or a chain: the serial verifier (state-resident, nothing materialised);
-- a branching topology the cost model (`schedule.SERIAL_COST`) expects to be faster serially
-  (few nodes, short chains): the serial verifier in tree mode;
-- any other branching topology: the chain-decomposed hybrid verifier.
-Both decisions are made once per parent array (cached on the tensor, shared by all layers of a
-round): free for CPU tensors and n = 1, one host sync on CUDA. Inside a CUDA-graph capture the
-topology cannot be looked at (the graph must be right for every topology of its size); there
-the size decides (`SPECLA_CAPTURED_TREE=auto|serial|hybrid`): up to CAPTURED_SERIAL_MAX_NODES
-nodes the serial verifier in tree mode (it reads the parents on the device; on the H200 it beat
-the hybrid on every 16-node beam tree of Table 1, and the hybrid would also build its schedule
-inside every round), beyond that the hybrid. The hybrid's schedule="auto" variant, which applies
-the cost model on the device, is for benchmarks: slower in graph replay.
+- a branching topology: the parallel verifier (UT form with the tree mask, one launch, no
+  per-node pass over the state), for up to 64 nodes;
+- in exact mode (`exact_arithmetic`, docs/exact.md), or beyond 64 nodes: the serial verifier in
+  tree mode where the cost model (`schedule.SERIAL_COST`) expects it to be faster (few nodes,
+  short chains), the chain-decomposed hybrid otherwise. Their nodes advance a resident state
+  tile with the commit's own update, which exact mode's bitwise guarantee rests on.
+The cost model's decision is made once per parent array (cached on the tensor, shared by all
+layers of a round): free for CPU tensors and n = 1, one host sync on CUDA. Inside a CUDA-graph
+capture the topology cannot be looked at (the graph must be right for every topology of its
+size); there the size decides: up to CAPTURED_SERIAL_MAX_NODES nodes the serial verifier in tree
+mode (it reads the parents on the device; on the H200 it beat the hybrid on every 16-node beam
+tree of Table 1), beyond that the hybrid. `SPECLA_TREE_VERIFIER=auto|parallel|serial|hybrid`
+forces one kernel for branching topologies outside exact mode. The hybrid's schedule="auto"
+variant, which applies the cost model on the device, is for benchmarks: slower in graph replay.
 The kernel modules are imported on first use so that importing specla never compiles or
 configures Triton.
 """
@@ -50,9 +53,23 @@ def _tiling_from_env() -> dict:
 TILING = _tiling_from_env()
 
 CAPTURED_SERIAL_MAX_NODES = 24
-CAPTURED_TREE = os.environ.get("SPECLA_CAPTURED_TREE", "auto")
-if CAPTURED_TREE not in ("auto", "serial", "hybrid"):
-    raise ValueError(f"SPECLA_CAPTURED_TREE={CAPTURED_TREE!r}: expected auto, serial or hybrid")
+PARALLEL_MAX_NODES = 64
+TREE_VERIFIER = os.environ.get("SPECLA_TREE_VERIFIER", "auto")
+if TREE_VERIFIER not in ("auto", "parallel", "serial", "hybrid"):
+    raise ValueError(f"SPECLA_TREE_VERIFIER={TREE_VERIFIER!r}: expected auto, parallel, serial or hybrid")
+_exact = False
+
+
+@contextlib.contextmanager
+def exact_arithmetic(on: bool = True):
+    """Within: branching topologies take the verifiers whose nodes advance a resident state
+    with the commit's update (serial, hybrid), never the parallel one (exact mode)."""
+    global _exact
+    old, _exact = _exact, on
+    try:
+        yield
+    finally:
+        _exact = old
 
 
 def set_backend(name: str) -> None:
@@ -90,21 +107,27 @@ CHUNK_MIN_TOKENS = 512
 def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, chain=False, valid=None):
     """chain: the caller promises parents[:, j] = j - 1, which sends the verify to the serial
     kernel's chain mode without looking at the parents (inside a CUDA-graph capture it could
-    not look, and the hybrid would run the chain as one heavy-light chain). valid [B]: real
-    nodes per row, the rest padding whose outputs nobody reads (`naive.gdn_tree_verify`); the
-    serial kernel stops its recurrence there."""
+    not look). valid [B]: real nodes per row, the rest padding whose outputs nobody reads
+    (`naive.gdn_tree_verify`); the serial and parallel kernels stop there."""
     if not _gdn_triton(state):
         return gdn_ref.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, valid)
-    from specla.ops.gdn import hybrid, schedule, serial
+    from specla.ops.gdn import hybrid, parallel, schedule, serial
 
     plan = None if chain else schedule.plan_for(parents)
     if chain or plan.is_chain(parents):
         return serial.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, valid, chain=True,
                                       **TILING)
-    prefer = plan.prefer_serial(parents)
-    if prefer is None:  # inside a capture: decided by size (module docstring)
-        prefer = CAPTURED_TREE == "serial" or (CAPTURED_TREE == "auto" and parents.shape[1] <= CAPTURED_SERIAL_MAX_NODES)
-    if prefer:
+    n, K, V = parents.shape[1], k.shape[3], v.shape[3]
+    fits = n <= PARALLEL_MAX_NODES and K >= 16 and V >= 16
+    kind = TREE_VERIFIER if not _exact else "auto"
+    if kind == "parallel" or (kind == "auto" and not _exact and fits):
+        return parallel.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, valid)
+    if kind == "auto":
+        prefer = plan.prefer_serial(parents)
+        if prefer is None:  # inside a capture: decided by size (module docstring)
+            prefer = n <= CAPTURED_SERIAL_MAX_NODES
+        kind = "serial" if prefer else "hybrid"
+    if kind == "serial":
         return serial.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, valid, **TILING)
     # not the in-kernel serial fallback (schedule="auto"), which the H200 timed 1.6-1.8x slower
     # on 16-node trees in graph replay (kernels.json, hybrid_auto_ms)

@@ -173,53 +173,56 @@ def test_plan_cache_follows_in_place_writes():
     assert schedule.plan_for(par) is not plan and schedule.plan_for(par).is_chain(par) is False
 
 
-def test_dispatch_picks_serial_for_chains_and_hybrid_for_trees(monkeypatch):
+def test_dispatch_picks_the_verifier(monkeypatch):
+    """Chains: serial chain mode. Trees: the parallel verifier, except in exact mode, where the
+    cost model (eagerly) or the size (inside a capture) picks serial or hybrid."""
     calls = []
-    for mod, name in ((serial, "serial"), (hybrid, "hybrid")):
+    for mod, name in ((serial, "serial"), (hybrid, "hybrid"), (parallel, "parallel")):
         real = mod.gdn_tree_verify
         monkeypatch.setattr(mod, "gdn_tree_verify",
                             lambda *a, _r=real, _n=name, **kw: calls.append(_n) or _r(*a, **kw))
     q, k, v, g, beta, S = inputs(1, 5, 1, 2, 16, 16, 2)
-    cheap_chains = dict(schedule.SERIAL_COST, hybrid_fixed=-1e3)  # the cost model then always picks chains
-    for par, want, cost in ((topology.chain(5), "serial", None), (torch.tensor([[-1, 0, 0, 1, 2]]), "serial", None),
-                            (torch.tensor([[-1, 0, 0, 1, 2]]), "hybrid", cheap_chains),
-                            (torch.tensor([[-1]]), "serial", None)):
+    tree = torch.tensor([[-1, 0, 0, 1, 2]])
+
+    def run(par, want, exact=False, chain=False, label=""):
+        par = par.clone()  # a fresh plan cache (the cost model's answer is cached on the tensor)
         n = par.shape[1]
         args = (q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n])
         ro, ru = naive.gdn_tree_verify(*args, S.clone(), par, 0.25)
-        monkeypatch.setattr(schedule, "SERIAL_COST", cost or schedule.SERIAL_COST)
-        with ops.backend("triton"):
-            o, u = ops.gdn_tree_verify(*args, S.clone(), par, 0.25)
-        assert calls[-1] == want
-        close(o, ro, want)
-        close(u, ru, want)
-    # inside a graph capture the plan answers None: the size decides (small: serial tree mode,
-    # SPECLA_CAPTURED_TREE overrides), and a caller's chain promise reaches the chain kernel
+        with ops.backend("triton"), ops.exact_arithmetic(exact):
+            o, u = ops.gdn_tree_verify(*args, S.clone(), par, 0.25, chain=chain)
+        assert calls[-1] == want, label
+        close(o, ro, label or want)
+        close(u, ru, label or want)
+
+    cheap_chains = dict(schedule.SERIAL_COST, hybrid_fixed=-1e3)  # the cost model then always picks chains
+    run(topology.chain(5), "serial")
+    run(torch.tensor([[-1]]), "serial")
+    run(tree, "parallel")
+    run(tree, "serial", exact=True)
+    monkeypatch.setattr(schedule, "SERIAL_COST", cheap_chains)
+    run(tree, "hybrid", exact=True)
+    for setting in ("serial", "hybrid", "parallel"):
+        monkeypatch.setattr(ops, "TREE_VERIFIER", setting)
+        run(tree, setting, label=f"forced {setting}")
+        run(tree, "hybrid", exact=True, label=f"forced {setting}, exact")  # exact mode wins
+    monkeypatch.setattr(ops, "TREE_VERIFIER", "auto")
+    # inside a graph capture the plan answers None: exact mode goes by size (small: serial tree
+    # mode), and a caller's chain promise reaches the chain kernel
     monkeypatch.setattr(schedule.Plan, "is_chain", lambda self, parents: None)
     monkeypatch.setattr(schedule.Plan, "prefer_serial", lambda self, parents: None)
-    par = torch.tensor([[-1, 0, 0, 1, 2]])
-    ro, ru = naive.gdn_tree_verify(q, k, v, g, beta, S.clone(), par, 0.25)
-    for setting, max_nodes, want in (("auto", 24, "serial"), ("auto", 4, "hybrid"), ("hybrid", 24, "hybrid"),
-                                     ("serial", 4, "serial")):
-        monkeypatch.setattr(ops, "CAPTURED_TREE", setting)
+    for max_nodes, want in ((24, "serial"), (4, "hybrid")):
         monkeypatch.setattr(ops, "CAPTURED_SERIAL_MAX_NODES", max_nodes)
-        with ops.backend("triton"):
-            o, u = ops.gdn_tree_verify(q, k, v, g, beta, S.clone(), par, 0.25)
-        assert calls[-1] == want, setting
-        close(o, ro, f"captured {setting}")
-        close(u, ru, f"captured {setting}")
-    par = topology.chain(5)
-    ro, ru = naive.gdn_tree_verify(q, k, v, g, beta, S.clone(), par, 0.25)
-    with ops.backend("triton"):
-        o, u = ops.gdn_tree_verify(q, k, v, g, beta, S.clone(), par, 0.25, chain=True)
-    assert calls[-1] == "serial"
-    close(o, ro, "chain promise")
-    close(u, ru, "chain promise")
+        run(tree, want, exact=True, label=f"captured, exact, max {max_nodes}")
+    run(tree, "parallel", label="captured")
+    run(topology.chain(5), "serial", chain=True, label="chain promise")
+    monkeypatch.setattr(ops, "CAPTURED_SERIAL_MAX_NODES", 24)
+    monkeypatch.setattr(ops, "PARALLEL_MAX_NODES", 4)
+    run(tree, "serial", label="captured, over the parallel verifier's size")
     # float64 states stay on the torch reference
     calls.clear()
     with ops.backend("triton"):
-        ops.gdn_tree_verify(q.double(), k.double(), v.double(), g.double(), beta.double(), S.double(),
-                            torch.tensor([[-1, 0, 0, 1, 2]]), 0.25)
+        ops.gdn_tree_verify(q.double(), k.double(), v.double(), g.double(), beta.double(), S.double(), tree, 0.25)
     assert calls == []
 
 
@@ -393,8 +396,9 @@ def test_verify_tiling_from_environment(monkeypatch):
         ops._tiling_from_env()
 
 
+@pytest.mark.parametrize("kernel", ["serial", "parallel"])
 @pytest.mark.parametrize("chain", [True, False])
-def test_serial_kernel_stops_at_valid(chain, poison):
+def test_kernels_stop_at_valid(chain, kernel, poison):
     """Padding past valid[b] (a fixed-width verify): real nodes equal the reference, padding
     nodes come back as zeros on both, and a pending update is still applied in full."""
     B, n, H, HV, K, V = 2, 9, 1, 2, 16, 16
@@ -405,13 +409,32 @@ def test_serial_kernel_stops_at_valid(chain, poison):
     valid = torch.tensor([6, 5]) if not chain else torch.tensor([1, 7])
     S_ref, S_out = S.clone(), S.clone()
     ro, ru = naive.gdn_tree_verify(q, k, v, g, beta, S_ref, par, 0.25, pend, valid)
-    o, u = serial.gdn_tree_verify(q, k, v, g, beta, S_out, par, 0.25, pend, valid, chain=chain,
-                                  block_v=8, num_warps=1)
+    if kernel == "serial":
+        o, u = serial.gdn_tree_verify(q, k, v, g, beta, S_out, par, 0.25, pend, valid, chain=chain,
+                                      block_v=8, num_warps=1)
+    else:
+        o, u = parallel.gdn_tree_verify(q, k, v, g, beta, S_out, par, 0.25, pend, valid)
     full, _ = naive.gdn_tree_verify(q, k, v, g, beta, S.clone(), par, 0.25, pend)
     for b in range(B):
         m = int(valid[b])
         close(o[b, :m], full[b, :m], "real nodes, o")
         assert not o[b, m:].any() and not u[b, m:].any() and not ro[b, m:].any() and not ru[b, m:].any()
+    close(o, ro, "o")
+    close(u, ru, "u")
+    close(S_out, S_ref, "state")
+
+
+@pytest.mark.parametrize("kind,n", [("beam", 17), ("deep", 33), ("chain", 20), ("star", 16)])
+def test_parallel_over_k_blocks_and_deep_trees(kind, n, poison):
+    """The parallel verifier's K loop (several blocks, a ragged last one), uneven V tiles, GVA,
+    a pending update flushed block by block, and trees deep enough for many Jacobi steps."""
+    B, H, HV, K, V = 2, 1, 2, 48, 40
+    par = torch.tensor([parents_of(kind, n, 5 + b) for b in range(B)])
+    q, k, v, g, beta, S = inputs(B, n, H, HV, K, V, 9, torch.bfloat16)
+    pend = pending_of(B, 3, H, HV, K, V, 9)
+    S_ref, S_out = S.clone(), S.clone()
+    ro, ru = naive.gdn_tree_verify(q, k, v, g, beta, S_ref, par, K ** -0.5, pend)
+    o, u = parallel.gdn_tree_verify(q, k, v, g, beta, S_out, par, K ** -0.5, pend, block_k=16)
     close(o, ro, "o")
     close(u, ru, "u")
     close(S_out, S_ref, "state")

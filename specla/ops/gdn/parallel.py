@@ -4,24 +4,39 @@ In the layout of DESIGN §2 (S ∈ R^{K×V}, o = Sᵀq), with M̄ the ancestor-o
 log Γ = M̄ g and D_{ji} = Γ_j / Γ_i:
 
     A    = (M̄ - I) ∘ D ∘ diag(β) K Kᵀ           strictly lower triangular
-    U    = (I + A)⁻¹ diag(β) (V - diag(Γ) K S₀)  forward substitution, rows u_j
+    U    = (I + A)⁻¹ diag(β) (V - diag(Γ) K S₀)  rows u_j, the factors the commit consumes
     Attn = M̄ ∘ D ∘ Q Kᵀ
     O    = scale (diag(Γ) Q S₀ + Attn U)
 
-One program per (row, value head, V-tile) does everything for all n nodes: a single pass over
-K blocks accumulates K Kᵀ, Q Kᵀ, K S₀ and Q S₀ with `tl.dot` (the K×BV state tile is read once),
-followed by the substitution on the [n, BV] right-hand side in registers. K Kᵀ and Q Kᵀ are
-recomputed per V-tile instead of being staged through memory by a separate kernel. fp32 dots
-run in IEEE precision (no TF32) to match the recurrence; K blocks of 16 keep the FMA-dot
-operands in registers (wider blocks make ptxas spill).
+One program per (row, value head, V-tile) does everything for all n nodes, and nothing in it
+waits on another node's result but the solve. The state tile enters through four matmuls
+(K Kᵀ, Q Kᵀ, K S₀, Q S₀, accumulated over K blocks on the tensor cores), so a node costs no
+pass over the tile of its own, unlike the serial verifier, whose recurrence over the tile is
+one latency-bound step per node.
 
-A pending (delayed) commit is applied by the commit kernel before the launch: the fused form
-belongs to the serial and hybrid verifiers, and keeping it out of this kernel keeps its
-register use spill-free.
+The solve is Jacobi's iteration U ← R − A U from U = R: A has a non-zero (j, i) only where i
+is a strict ancestor of j, so after t steps every node at depth ≤ t + 1 holds its final row,
+and a node's final row is computed from its ancestors' final rows exactly as forward
+substitution would. Steps = the tree's depth − 1, each one small matmul: 3 for the shallow
+wide trees of a beam search, where substitution row by row would take n − 1 dependent steps.
 
-The nodes are padded to NT = max(16, next power of two ≥ n) (tl.dot needs dims ≥ 16 and
-Triton tiles are powers of two); M̄ comes from `schedule.ancestor_closure` (device-side, cached
-per parent array). Needs K, V ≥ 16. Register use grows as NT²: meant for draft trees (n ≤ 64).
+The K-long matmuls use `tf32x3` (three TF32 products: ~fp32 accuracy on the tensor cores; the
+bf16 activations are exact in TF32); the node-by-node products stay IEEE fp32.
+
+`pending = (k, g, u, length)` (delayed update, SpecLA §5.2) is applied to each state block right
+after it is loaded, in the closed rank-P form Γ_P S + Σ_p (Γ_P/Γ_p) k_p u_pᵀ (one more matmul per
+block; node by node it would unroll P loads per block), and the advanced block is written
+back: the verify is also the flush. `valid` [B]: nodes from valid[b] on are padding (`drafters.base.pad_draft`); their o
+and u are written as zeros and the solve stops at the deepest real node.
+
+The nodes are padded to NT = max(16, next power of two ≥ n) (`tl.dot` needs dims ≥ 16); M̄
+comes from `schedule.ancestor_closure` (on the device, cached per parent array, so shared by
+every layer of a round and capturable). Needs K, V ≥ 16. Registers grow as NT²: meant for
+draft trees (n ≤ 64).
+
+Unlike the serial verifier, a node's output is not computed from its parent's materialised
+state, and the flush is not the commit's node-by-node update, so the bits differ from the
+serial path's: exact mode (docs/exact.md) keeps the serial verifier.
 """
 
 from __future__ import annotations
@@ -30,23 +45,28 @@ import torch
 import triton
 import triton.language as tl
 
-from specla.ops.gdn import commit
+from specla.ops.gdn.commit import pending_args
 from specla.ops.gdn.schedule import plan_for
 from specla.ops.gdn.serial import _rows
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "P"])
 def _parallel_verify_kernel(
     q, k, v, g, beta, state, o, u, mask,
-    scale, n,
+    pk, pg, pu, plen, valid,
+    scale, n, P,
     s_qb, s_qn, s_kb, s_kn, s_vb, s_vn,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BKC: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, NT: tl.constexpr,
+    BKC: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, NT: tl.constexpr, PD: tl.constexpr,
+    HAS_PENDING: tl.constexpr, HAS_VALID: tl.constexpr, PREC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b, hv, vt = pid // (HV * NV), (pid // NV) % HV, pid % NV
     i_h = hv // (HV // H)
     rows = tl.arange(0, NT)
+    n_real = n
+    if HAS_VALID:
+        n_real = tl.minimum(tl.maximum(tl.load(valid + b).to(tl.int32), 0), n)
     live = rows < n
     o_v = vt * BV + tl.arange(0, BV)
     mv = o_v < V
@@ -54,12 +74,25 @@ def _parallel_verify_kernel(
     Mb = tl.load(mask + b * NT * NT + rows[:, None] * NT + rows[None, :]) > 0  # ancestor-or-self
     gg = tl.load(g + (b * n + rows) * HV + hv, mask=live, other=0.0).to(tl.float32)
     bb = tl.load(beta + (b * n + rows) * HV + hv, mask=live, other=0.0).to(tl.float32)
-    Gc = tl.sum(tl.where(Mb, gg[None, :], 0.0), 1)  # log Γ_j
-    D = tl.where(Mb, tl.exp(Gc[:, None] - Gc[None, :]), 0.0)
+    p_v = v + b.to(tl.int64) * s_vb + rows[:, None] * s_vn + hv * V + o_v[None, :]
+    b_v = tl.load(p_v, mask=live[:, None] & mv[None, :], other=0.0).to(tl.float32)
 
     p_q = q + b.to(tl.int64) * s_qb + rows[:, None] * s_qn + i_h * K
     p_k = k + b.to(tl.int64) * s_kb + rows[:, None] * s_kn + i_h * K
     p_S = state + (b * HV + hv).to(tl.int64) * K * V + o_v[None, :]
+    if HAS_PENDING:
+        # S <- Γ_P S + Σ_p (Γ_P / Γ_p) k_p u_pᵀ over the live pending factors, as one product
+        # per K block; rows past the length are masked, never multiplied (garbage stays out)
+        pr = tl.arange(0, PD)
+        n_live = tl.load(plen + b)
+        livep = pr < tl.minimum(n_live, P)
+        gp = tl.load(pg + (b * P + pr) * HV + hv, mask=livep, other=0.0).to(tl.float32)
+        g_all = tl.sum(gp, 0)
+        W = tl.where(livep, tl.exp(g_all - tl.cumsum(gp, 0)), 0.0)
+        WU = W[:, None] * tl.load(pu + ((b * P + pr[:, None]) * HV + hv).to(tl.int64) * V + o_v[None, :],
+                                  mask=livep[:, None] & mv[None, :], other=0.0).to(tl.float32)
+        Gam_P = tl.exp(g_all)
+        flush = n_live > 0  # an empty pending buffer leaves the state as it is
     KK = tl.zeros([NT, NT], dtype=tl.float32)
     QK = tl.zeros([NT, NT], dtype=tl.float32)
     KS = tl.zeros([NT, BV], dtype=tl.float32)
@@ -69,53 +102,71 @@ def _parallel_verify_kernel(
         mk = o_k < K
         b_k = tl.load(p_k + o_k[None, :], mask=live[:, None] & mk[None, :], other=0.0).to(tl.float32)
         b_q = tl.load(p_q + o_k[None, :], mask=live[:, None] & mk[None, :], other=0.0).to(tl.float32)
-        S = tl.load(p_S + o_k[:, None] * V, mask=mk[:, None] & mv[None, :], other=0.0)
-        KK += tl.dot(b_k, tl.trans(b_k), input_precision="ieee")
-        QK += tl.dot(b_q, tl.trans(b_k), input_precision="ieee")
-        KS += tl.dot(b_k, S, input_precision="ieee")
-        QS += tl.dot(b_q, S, input_precision="ieee")
+        m_S = mk[:, None] & mv[None, :]
+        S = tl.load(p_S + o_k[:, None] * V, mask=m_S, other=0.0)
+        if HAS_PENDING:
+            # the pending update is elementwise along K, so each block advances on its own
+            Kp = tl.load(pk + ((b * P + pr[None, :]) * H + i_h).to(tl.int64) * K + o_k[:, None],
+                         mask=mk[:, None] & livep[None, :], other=0.0).to(tl.float32)
+            S = Gam_P * S + tl.dot(Kp, WU, input_precision=PREC)
+            if flush:
+                tl.store(p_S + o_k[:, None] * V, S, mask=m_S)
+        KK = tl.dot(b_k, tl.trans(b_k), KK, input_precision=PREC)
+        QK = tl.dot(b_q, tl.trans(b_k), QK, input_precision=PREC)
+        KS = tl.dot(b_k, S, KS, input_precision=PREC)
+        QS = tl.dot(b_q, S, QS, input_precision=PREC)
 
+    Gc = tl.sum(tl.where(Mb, gg[None, :], 0.0), 1)  # log Γ_j
+    D = tl.where(Mb, tl.exp(Gc[:, None] - Gc[None, :]), 0.0)
     Gam = tl.exp(Gc)
-    Attn = D * QK
     A = tl.where(rows[:, None] > rows[None, :], bb[:, None] * D * KK, 0.0)
-    p_v = v + b.to(tl.int64) * s_vb + rows[:, None] * s_vn + hv * V + o_v[None, :]
-    b_v = tl.load(p_v, mask=live[:, None] & mv[None, :], other=0.0).to(tl.float32)
-    U = bb[:, None] * (b_v - Gam[:, None] * KS)
-    # forward substitution (I + A) U = R, one row at a time (A is strictly lower triangular)
-    for i in range(1, NT):
-        a_i = tl.sum(tl.where(rows[:, None] == i, A, 0.0), 0)  # row i of A
-        upd = tl.sum(a_i[:, None] * U, 0)
-        U = tl.where(rows[:, None] == i, U - upd[None, :], U)
-    O = (Gam[:, None] * QS + tl.dot(Attn, U, input_precision="ieee")) * scale
+    R = bb[:, None] * (b_v - Gam[:, None] * KS)
+    # Jacobi steps up to the deepest real node (depth = ancestors and itself)
+    depth = tl.max(tl.where(rows < n_real, tl.sum(Mb.to(tl.int32), 1), 0), 0)
+    U = R
+    for _ in range(1, depth):
+        U = R - tl.dot(A, U, input_precision="ieee")
+    O = (Gam[:, None] * QS + tl.dot(D * QK, U, input_precision="ieee")) * scale
 
+    real = rows < n_real
     p_out = ((b * n + rows[:, None]) * HV + hv).to(tl.int64) * V + o_v[None, :]
     m_out = live[:, None] & mv[None, :]
-    tl.store(o + p_out, O, mask=m_out)
-    tl.store(u + p_out, U, mask=m_out)
+    tl.store(o + p_out, tl.where(real[:, None], O, 0.0), mask=m_out)
+    tl.store(u + p_out, tl.where(real[:, None], U, 0.0), mask=m_out)
 
 
-def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, *,
-                    block_v: int | None = None, num_warps: int = 8):
-    """Same contract as `naive.gdn_tree_verify` (fp32 state; K, V >= 16). V-tiles of 32, or
-    16 from 64 padded nodes on, where the [NT, NT] tiles take most of the registers."""
+# padded nodes NT -> (BV, BKC, warps): spill-free at the paper shape (`python -m specla.ops.aot_check`)
+TILINGS = {16: (16, 32, 4), 32: (16, 32, 4), 64: (16, 16, 8)}
+# what `bench kernels` times besides them (and aot_check compiles)
+SWEEP = ((16, 32, 16, 4), (16, 32, 32, 4), (32, 16, 16, 4), (32, 32, 16, 8))
+
+
+def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, valid=None, *,
+                    block_v: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+                    precision: str = "tf32x3"):
+    """Same contract as `naive.gdn_tree_verify` (fp32 state; K, V >= 16; n <= 64). The tiling
+    defaults to `TILINGS` for the padded node count."""
     B, n, HV, V = v.shape
     H, K = k.shape[2], k.shape[3]
     if K < 16 or V < 16:
         raise ValueError(f"the parallel verifier needs K, V >= 16 (tl.dot), got K={K}, V={V}")
     dev = state.device
     NT = max(16, triton.next_power_of_2(n))
-    BV = max(16, min(block_v or (32 if NT <= 32 else 16), triton.next_power_of_2(V)))
+    if NT > 64:
+        raise ValueError(f"the parallel verifier takes up to 64 nodes, got {n}")
+    bv, bk, warps = TILINGS[NT]
+    BV = max(16, min(block_v or bv, triton.next_power_of_2(V)))
+    BKC = max(16, min(block_k or bk, triton.next_power_of_2(K)))
     mask = plan_for(parents).closure(parents, NT)  # cached on the caller's tensor: once per round
     q, k, v = _rows(q), _rows(k), _rows(v)
     o = torch.empty(B, n, HV, V, dtype=state.dtype, device=dev)
     u = torch.empty_like(o)
-    if pending is not None:
-        pk, pg, pu, plen = pending
-        commit.gdn_commit(state, pk, pg, pu, torch.arange(pk.shape[1], device=dev).expand(B, -1), plen)
+    pk, pg, pu, plen, P, PP, has_pending = pending_args(pending, dev)
     grid = (B * HV * triton.cdiv(V, BV),)
     _parallel_verify_kernel[grid](
         q, k, v, g.contiguous(), beta.contiguous(), state, o, u, mask,
-        scale, n, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        H=H, HV=HV, K=K, V=V, BKC=16, BV=BV,
-        NV=triton.cdiv(V, BV), NT=NT, num_warps=num_warps)
+        pk, pg, pu, plen, plen if valid is None else valid.contiguous(),
+        scale, n, P, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        H=H, HV=HV, K=K, V=V, BKC=BKC, BV=BV, NV=triton.cdiv(V, BV), NT=NT, PD=max(16, PP),
+        HAS_PENDING=has_pending, HAS_VALID=valid is not None, PREC=precision, num_warps=num_warps or warps)
     return o, u
