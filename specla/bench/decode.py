@@ -4,7 +4,8 @@ Per shape (random bf16 weights, fp32 state): AR time per token through the decod
 (eager and graph replay) against the floor of reading the weights once at the measured copy
 bandwidth; one speculative round on a 16-draft-node beam tree (verify + greedy acceptance +
 settling + commit in one graph, `GraphTarget.round`, plus the host read of its report;
-`round16_ms`); and whether the graph path emits the same tokens as the eager path (AR and an
+`round16_ms`; `round16_serial_verify_ms`: the same round with the tree on the serial verifier,
+the dispatch's choice before the parallel one); and whether the graph path emits the same tokens as the eager path (AR and an
 n-gram tree route).
 
 `profile=True` (`--profile`) adds, per shape, a torch.profiler view of ~5 eager AR steps and
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from specla import ops
 from specla.bench.common import RESULTS, copy_bandwidth, write_results
 from specla.bench.trees import beam_tree
 from specla.decode import Decoder
@@ -243,6 +245,14 @@ def _run(shapes, new_tokens, prompt_len, rounds, out_dir, quick, profile, dev) -
             "tree_mean_accepted_length": tree_graph.mean_accepted_length,
         }
         row["round16_over_ar"] = row["round16_ms"] / row["ar_step_ms"]
+        # the same round with the tree verified by the serial kernel (exact mode's, and the
+        # dispatch's choice before the parallel verifier), timed in the same run
+        row["tree_verifier"] = ops.TREE_VERIFIER
+        old, ops.TREE_VERIFIER = ops.TREE_VERIFIER, "serial"
+        try:
+            row["round16_serial_verify_ms"] = _time_rounds(model, prompt, parents, 10 if quick else rounds)
+        finally:
+            ops.TREE_VERIFIER = old
         row["fused"] = getattr(getattr(model, "_fused", None), "mode", None)
         if profile:
             t0 = time.perf_counter()
@@ -255,7 +265,7 @@ def _run(shapes, new_tokens, prompt_len, rounds, out_dir, quick, profile, dev) -
         _print_profiles(rows)
     table = Table(title="batch-1 decode costs (ms)")
     cols = ["shape", "weight_floor_ms", "ar_eager_ms_per_token", "ar_graph_ms_per_token", "ar_step_ms",
-            "round16_ms", "round16_over_ar", "graph_equals_eager_ar", "tree_equals_ar"]
+            "round16_ms", "round16_serial_verify_ms", "round16_over_ar", "graph_equals_eager_ar", "tree_equals_ar"]
     for c in cols:
         table.add_column(c)
     for r in rows:
