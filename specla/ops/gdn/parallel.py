@@ -143,7 +143,7 @@ SWEEP = ((16, 32, 16, 4), (16, 32, 32, 4), (32, 16, 16, 4), (32, 32, 16, 8))
 
 def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, valid=None, *,
                     block_v: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-                    precision: str = "tf32x3"):
+                    num_stages: int | None = None, precision: str = "tf32x3"):
     """Same contract as `naive.gdn_tree_verify` (fp32 state; K, V >= 16; n <= 64). The tiling
     defaults to `TILINGS` for the padded node count."""
     B, n, HV, V = v.shape
@@ -168,5 +168,6 @@ def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, valid
         pk, pg, pu, plen, plen if valid is None else valid.contiguous(),
         scale, n, P, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         H=H, HV=HV, K=K, V=V, BKC=BKC, BV=BV, NV=triton.cdiv(V, BV), NT=NT, PD=max(16, PP),
-        HAS_PENDING=has_pending, HAS_VALID=valid is not None, PREC=precision, num_warps=num_warps or warps)
+        HAS_PENDING=has_pending, HAS_VALID=valid is not None, PREC=precision, num_warps=num_warps or warps,
+        **({"num_stages": num_stages} if num_stages else {}))
     return o, u
