@@ -7,8 +7,10 @@ float64 states always take the torch references (the exactness tests; Triton run
 GDN verification (docs/kernels.md):
 - n = 1 or a chain: the serial verifier (state-resident, nothing materialised);
 - a branching topology: the parallel verifier (UT form with the tree mask, one launch, no
-  per-node pass over the state), for up to 64 nodes;
-- in exact mode (`exact_arithmetic`, docs/exact.md), or beyond 64 nodes: the serial verifier in
+  per-node pass over the state), for up to PARALLEL_MAX_NODES = 32 nodes (on the H200 it beat
+  the serial verifier on 17-node trees, 0.37-0.40 against 0.49-0.52 ms for 24 layers, and lost
+  on 33-node ones, 1.21-1.43 against 0.90-0.99 ms; kernels.json);
+- in exact mode (`exact_arithmetic`, docs/exact.md), or beyond that size: the serial verifier in
   tree mode where the cost model (`schedule.SERIAL_COST`) expects it to be faster (few nodes,
   short chains), the chain-decomposed hybrid otherwise. Their nodes advance a resident state
   tile with the commit's own update, which exact mode's bitwise guarantee rests on.
@@ -53,7 +55,7 @@ def _tiling_from_env() -> dict:
 TILING = _tiling_from_env()
 
 CAPTURED_SERIAL_MAX_NODES = 24
-PARALLEL_MAX_NODES = 64
+PARALLEL_MAX_NODES = 32
 TREE_VERIFIER = os.environ.get("SPECLA_TREE_VERIFIER", "auto")
 if TREE_VERIFIER not in ("auto", "parallel", "serial", "hybrid"):
     raise ValueError(f"SPECLA_TREE_VERIFIER={TREE_VERIFIER!r}: expected auto, parallel, serial or hybrid")
