@@ -109,3 +109,21 @@ def test_flush_runs_only_when_something_may_be_pending(emulated_graphs, monkeypa
     model(torch.cat([prompt[:, -1:], tokens[:, 1:n]], 1), ar)
     for a, b in zip(target.cache.layers, ar.layers):
         assert (a.S - b.S).abs().max() < 1e-10
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_exact_target_verifies_under_exact_arithmetic(emulated_graphs, monkeypatch, exact):
+    """Every GDN verify of an exact-mode target (eager and graph) runs inside
+    `ops.exact_arithmetic`, which keeps trees off the parallel verifier; other targets' don't."""
+    from specla import ops
+
+    seen, real = [], ops.gdn_tree_verify
+    monkeypatch.setattr(ops, "gdn_tree_verify", lambda *a, **kw: seen.append(ops._exact) or real(*a, **kw))
+    model = random_model(tiny_config(2), 2)
+    tokens, parents = torch.tensor([[3, 5, 6, 7]]), torch.tensor([[-1, 0, 0, 1]])
+    for tgt in (engine.EagerTarget(model, 1, 64, width=6 if exact else None),
+                engine.GraphTarget(model, 1, 64, 6, delayed=True, exact=exact)):
+        tgt.prefill(torch.tensor([[1, 2, 3]]))
+        tgt.verify(tokens, parents)
+    assert seen and all(x == exact for x in seen)
+    assert ops._exact is False

@@ -119,10 +119,11 @@ def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, chain
     if chain or plan.is_chain(parents):
         return serial.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, valid, chain=True,
                                       **TILING)
-    n, K, V = parents.shape[1], k.shape[3], v.shape[3]
-    fits = n <= PARALLEL_MAX_NODES and K >= 16 and V >= 16
-    kind = TREE_VERIFIER if not _exact else "auto"
-    if kind == "parallel" or (kind == "auto" and not _exact and fits):
+    n = parents.shape[1]
+    kind = "auto" if _exact else TREE_VERIFIER
+    if kind == "auto" and not _exact and n <= PARALLEL_MAX_NODES and min(k.shape[3], v.shape[3]) >= 16:
+        kind = "parallel"
+    if kind == "parallel":
         return parallel.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, valid)
     if kind == "auto":
         prefer = plan.prefer_serial(parents)

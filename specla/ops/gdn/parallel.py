@@ -141,6 +141,11 @@ TILINGS = {16: (16, 32, 4), 32: (16, 32, 4), 64: (16, 16, 8)}
 SWEEP = ((16, 32, 16, 4), (16, 32, 32, 4), (32, 16, 16, 4), (32, 32, 16, 8))
 
 
+def padded_nodes(n: int) -> int:
+    """NT, the node count a topology of n nodes is padded to (tl.dot needs 16)."""
+    return max(16, triton.next_power_of_2(n))
+
+
 def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, valid=None, *,
                     block_v: int | None = None, block_k: int | None = None, num_warps: int | None = None,
                     num_stages: int | None = None, precision: str = "tf32x3"):
@@ -151,7 +156,7 @@ def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, valid
     if K < 16 or V < 16:
         raise ValueError(f"the parallel verifier needs K, V >= 16 (tl.dot), got K={K}, V={V}")
     dev = state.device
-    NT = max(16, triton.next_power_of_2(n))
+    NT = padded_nodes(n)
     if NT > 64:
         raise ValueError(f"the parallel verifier takes up to 64 nodes, got {n}")
     bv, bk, warps = TILINGS[NT]
