@@ -55,6 +55,7 @@ def settle(tokens, parents, valid, logits, hidden, acc, emitted, done, room, eos
 
 class EagerTarget:
     _settle_fn = staticmethod(settle)
+    _accept = staticmethod(acceptance.greedy)  # the greedy rule; GraphTarget's is compiled
 
     def __init__(self, model: Model, batch: int, max_len: int, width: int | None = None):
         from specla.fused import maybe_fuse
@@ -100,7 +101,7 @@ class EagerTarget:
         `valid` [B]: real nodes per row; the rest is padding acceptance ignores. `chain`: the
         topology is a chain (`Model.verify`)."""
         out = self._model_verify(tokens, parents, capture, chain, valid)
-        acc = acceptance.greedy(tokens, parents, out.logits, valid) if greedy else None
+        acc = self._accept(tokens, parents, out.logits, valid) if greedy else None
         return out, acc
 
     def _model_verify(self, tokens, parents, capture, chain, valid):

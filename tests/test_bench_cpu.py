@@ -181,3 +181,21 @@ def test_rounds_timer_counts_nested_calls_once(monkeypatch):
     assert [c[0] for c in timer.calls] == ["ar_round", "round"]
     timer.unwrap()
     assert "round" not in vars(t)
+
+
+def test_controlled_rounds_accept_the_forced_count():
+    """A controlled round runs the real target round but accepts exactly the forced count: the
+    report emits a + 1 tokens and the target's and drafter's caches advance by a + 1."""
+    import torch
+
+    from specla.shapes import random_model
+
+    model = random_model("tiny", device="cpu", dtype=torch.float32, seed=0)
+    rt = controlled.ChainRuntime(model, controlled.random_drafter(model), 5, list(range(3, 19)), 256, 64, False)
+    for a in (0, 3, 5, 2):
+        n0, d0 = int(rt.target.cache.length), int(rt.drafter.len)
+        count, length = rt.round(a).tolist()[0][:2]
+        assert (count, length) == (a + 1, a + 1)
+        assert int(rt.target.cache.length) - n0 == a + 1 and int(rt.drafter.len) - d0 == a + 1
+    rt.rewind()
+    assert int(rt.target.cache.length) == 15

@@ -2,16 +2,17 @@
 
 Costs are measured, acceptance is not. At a named shape with random weights:
 
-- AR: one step replayed from a CUDA graph, plus the argmax and the host read of the token
-  (`ar_ms_per_token`), the baseline of every ratio;
+- AR: one greedy step as the decode loop runs it (`GraphTarget.ar_round`: the step and its
+  settling in one graph) plus the host read of its report (`ar_ms_per_token`, the baseline of
+  every ratio; `bench.decode.time_ar_steps`, the same figure as `specla bench decode`);
 - the drafter: an EAGLE-shaped stand-in with random weights — `EagleDrafterModel` built by
   `EagleConfig.for_target` (one decoder layer at the target's width, the target's LM head) —
-  drafting a chain of L tokens for real each round (`EagleDrafter`, top-1 rollout replayed
-  from its CUDA graph), and taking the accepted tokens' target features afterwards
-  (`EagleDrafter.extend`, captured in a CUDA graph here; the decode loop runs it eagerly);
-- the target: `GraphTarget`'s real verify (+ greedy acceptance) of the (L+1)-node chain, the
-  one host read of what was accepted, and the real commit (delayed), with the accepted length
-  forced to the sampled one.
+  proposing a chain of L tokens for real each round (`EagleDrafter.propose`, its rollout
+  replayed from a CUDA graph) and extending over the accepted path afterwards (its graph);
+- the target: the round as the decode loop runs it (`GraphTarget.round`: verify of the
+  (L+1)-node chain, the greedy rule, settling and the delayed commit in one graph), with the
+  rule's verdict replaced by the sampled accepted count (`forcing`: the rule still runs);
+- the host: each round's report read while the next round is queued (the loop's run-ahead).
 
 Per chain length L = 5..12 and acceptance probability p = 0.5..1.0, each round's accepted
 count is sampled: every draft token is accepted independently with probability p until the
@@ -20,8 +21,8 @@ back (rewound every 30 rounds, untimed, so the caches keep a realistic size); sp
 ms/token ÷ (total round time ÷ tokens emitted); `speedup_expected` uses the expected τ
 instead of the sampled one (the same measured times, no sampling noise). Because tokens are forced,
 only latency ratios mean anything here (no output is checked). `round16_ms` is one
-16-draft-node beam-tree round (verify + accept + host read + commit), the figure whose goal
-is ≤ 1.2× an AR step. Writes `controlled.json` and the Fig 12 heatmap `controlled.png`.
+16-draft-node beam-tree round (`bench.decode.time_rounds`, as `specla bench decode` times it),
+the figure whose goal is ≤ 1.2× an AR step. Writes `controlled.json` and the Fig 12 heatmap `controlled.png`.
 
 On CPU (`device="cpu"`, `quick=True`) everything runs eagerly at tiny shapes: a smoke test;
 the timings mean nothing.
@@ -37,23 +38,20 @@ from pathlib import Path
 
 import torch
 
-from specla import topology
+from specla.acceptance import Acceptance
 from specla.bench.common import RESULTS, copy_bandwidth, write_results
+from specla.bench.decode import _sync, time_ar_steps, time_rounds
 from specla.bench.trees import beam_tree
+from specla.decode import _Reader
+from specla.drafters.base import DraftContext
 from specla.drafters.eagle import EagleConfig, EagleDrafter, EagleDrafterModel
 from specla.engine import EagerTarget, GraphTarget
 from specla.fused import env_mode as fused_env_mode
-from specla.graphs import capture as capture_graph
 from specla.shapes import random_model
 
 PS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 LENGTHS = tuple(range(5, 13))
 WARMUP = 3
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def _median(xs: list[float]) -> float:
@@ -89,165 +87,109 @@ def expected_tau(p: float, L: int) -> float:
     return float(L + 1) if p >= 1 else (1 - p ** (L + 1)) / (1 - p)
 
 
-def _target(model, budget: int, max_len: int, graphs: bool):
-    return GraphTarget(model, 1, max_len, budget, True) if graphs else EagerTarget(model, 1, max_len)
+def forcing(accept, forced: torch.Tensor):
+    """A target's acceptance rule that still runs (its cost is part of the round) but whose
+    verdict on a chain is replaced: the first forced[b] drafts of row b accepted, the bonus
+    token the rule's own. Device ops only, so it runs inside the round's graph."""
+
+    def run(tokens, parents, logits, valid=None) -> Acceptance:
+        acc = accept(tokens, parents, logits, valid)
+        idx = torch.arange(tokens.shape[1], device=tokens.device)[None]
+        length = (forced + 1).clamp(max=tokens.shape[1])
+        return Acceptance(torch.where(idx < length[:, None], idx, 0), length, acc.bonus, acc.top)
+
+    return run
 
 
 class ChainRuntime:
-    """One chain length L: drafter, target and static buffers; `round(a)` runs one full round
-    and forces `a` accepted drafts."""
+    """One chain length L run as `decode.Decoder` runs an EAGLE chain route: the drafter
+    proposes from the target's device root, the target runs the whole round (verify,
+    acceptance, settling, delayed commit; one CUDA graph), the drafter extends over the accepted
+    path, and the host reads each round's report while the next round is queued. Only the
+    acceptance verdict is synthetic (`forcing`); `round(a)` accepts a drafts."""
 
     def __init__(self, model, dm: EagleDrafterModel, L: int, prompt: list[int], max_len: int,
                  capacity: int, graphs: bool):
         dev = model.device
-        self.model, self.L, self.graphs, self.dev = model, L, graphs, dev
+        self.L, self.dev = L, dev
         self.drafter = EagleDrafter(dm, model, topk=1, depth=L, graphs=graphs, initial_capacity=capacity)
-        self.drafter.reset(1)
-        self.target = _target(model, L + 1, max_len, graphs)
+        self.drafter.reset(1, horizon=max_len)
+        self.target = GraphTarget(model, 1, max_len, L + 1, True) if graphs else EagerTarget(model, 1, max_len)
+        self.forced = torch.zeros(1, dtype=torch.long, device=dev)
+        self.target._accept = forcing(self.target._accept, self.forced)
         self.capture = self.drafter.capture
         pre = torch.tensor([prompt[:-1]], device=dev)
         out = self.target.prefill(pre, self.capture)
         self.drafter.extend(pre, out.hidden, torch.full((1,), pre.shape[1], device=dev))
-        self.root = torch.tensor([prompt[-1]], device=dev)
-        self.parents = topology.chain(L + 1, device=dev)
-        self.path = torch.arange(L + 1, device=dev)[None]
-        self._extend_graph = None
-        self.mark()
-
-    def mark(self) -> None:
-        """Remember the lengths after prefill; `rewind` returns to them (the caches keep their
-        size however many rounds run)."""
-        d = self.drafter
-        self._saved = (d.len.clone(), d.pending.clone(), self.target.cache.length.clone(), self.root.clone())
+        self.target.begin(torch.tensor([prompt[-1]], device=dev), max_len, set())
+        d, t = self.drafter, self.target
+        # after prefill: `rewind` returns here, so the caches keep their size however many rounds run
+        self._saved = [(x, x.clone()) for x in (d.len, d.pending, t.cache.length, t.next_root, t.emitted, t.done)]
 
     def rewind(self) -> None:
-        d = self.drafter
-        for t, s in zip((d.len, d.pending, self.target.cache.length, self.root), self._saved):
-            t.copy_(s)
-        d._bound = int(d.len.max())
+        for x, saved in self._saved:
+            x.copy_(saved)
+        self.drafter._bound = int(self.drafter.len.max())
 
-    # the pieces of a round --------------------------------------------------------------------
-    def draft(self) -> torch.Tensor:
-        d = self.drafter
-        tokens, _, _ = d._replay(self.root) if self.graphs else d.draft(self.root, d.k, d.v)
-        return tokens  # top-1 rollout: the root and the chain, depth order
+    # the pieces of a round, as `Decoder._round` runs them ---------------------------------------
+    def propose(self):
+        return self.drafter.propose(DraftContext(None, self.target.cache, root=self.target.next_root))
 
-    def verify(self, tokens):
-        return self.target.verify(tokens, self.parents, self.capture)
+    def verify_round(self, draft):
+        return self.target.round(draft.tokens, draft.parents, self.capture, draft.valid, chain=True)
 
-    def commit(self, out, a: int) -> torch.Tensor:
-        length = torch.tensor([a + 1], device=self.dev)  # forced: root + a drafts
-        self.target.commit(out.records, self.path, length, True)
-        return length
-
-    def extend(self, tokens, hidden, length) -> None:
-        d = self.drafter
-        if not self.graphs:
-            d.extend(tokens, hidden, length)
-            return
-        if self._extend_graph is None:
-            self._x = (tokens.clone(), length.clone())
-            saved = (d.len.clone(), d.pending.clone())
-            d._bound = int(d.len.max())  # no host read inside the capture
-            self._extend_graph = capture_graph(lambda: d.extend(self._x[0], hidden, self._x[1]))
-            d.len.copy_(saved[0])
-            d.pending.copy_(saved[1])
-        self._x[0].copy_(tokens)
-        self._x[1].copy_(length)
-        self._extend_graph.replay()
-
-    def round(self, a: int) -> None:
-        tokens = self.draft()
-        out, acc = self.verify(tokens)
-        torch.cat([acc.length, acc.bonus, tokens[0]]).tolist()  # the round's one host read
-        length = self.commit(out, a)
-        # hidden of a chain's accepted path = the first a+1 nodes' (extend reads only those)
-        self.extend(tokens, out.hidden, length)
-        self.root.copy_(tokens[:, a + 1] if a < self.L else acc.bonus)
+    def round(self, a: int) -> torch.Tensor:
+        """Queue one round that accepts a drafts; its report (on the device)."""
+        self.forced.fill_(a)
+        r = self.verify_round(self.propose())
+        self.drafter.extend(r.path_tokens, r.hidden, r.count)
+        return r.report
 
     def components(self, reps: int) -> dict:
         """Median ms of each piece (synchronised between pieces), a = L (every draft accepted)."""
-        t = {k: [] for k in ("draft", "verify", "host_read", "commit", "extend")}
+        t = {k: [] for k in ("draft", "round", "host_read", "extend")}
+        self.forced.fill_(self.L)
         for _ in range(reps):
             _sync(self.dev)
             t0 = time.perf_counter()
-            tokens = self.draft()
+            draft = self.propose()
             _sync(self.dev)
             t1 = time.perf_counter()
-            out, acc = self.verify(tokens)
+            r = self.verify_round(draft)
             _sync(self.dev)
             t2 = time.perf_counter()
-            torch.cat([acc.length, acc.bonus, tokens[0]]).tolist()
+            r.report.tolist()
             t3 = time.perf_counter()
-            length = self.commit(out, self.L)
+            self.drafter.extend(r.path_tokens, r.hidden, r.count)
             _sync(self.dev)
             t4 = time.perf_counter()
-            self.extend(tokens, out.hidden, length)
-            _sync(self.dev)
-            t5 = time.perf_counter()
-            self.root.copy_(acc.bonus)
-            for k, (a, b) in zip(t, ((t0, t1), (t1, t2), (t2, t3), (t3, t4), (t4, t5))):
+            for k, (a, b) in zip(t, ((t0, t1), (t1, t2), (t2, t3), (t3, t4))):
                 t[k].append((b - a) * 1e3)
         return {f"{k}_ms": _median(v) for k, v in t.items()}
 
     def timed(self, accepted: list[int], chunk: int) -> float:
         """Total ms of back-to-back rounds with these accepted counts (after WARMUP untimed ones),
-        timed in runs of `chunk` rounds with an untimed rewind between runs (bounded caches)."""
+        in runs of `chunk` rounds with an untimed rewind between runs (bounded caches). Within a
+        run the host reads round r's report after queuing round r + 1, as the decode loop does."""
         self.rewind()
         for a in accepted[:WARMUP]:
-            self.round(a)
+            self.round(a).tolist()
         total = 0.0
         for s in range(WARMUP, len(accepted), chunk):
             if s > WARMUP:
                 self.rewind()
             _sync(self.dev)
             t0 = time.perf_counter()
+            reader, pending = _Reader(self.dev), None
             for a in accepted[s:s + chunk]:
-                self.round(a)
+                sent = reader.send(self.round(a))
+                if pending is not None:
+                    reader.recv(pending)
+                pending = sent
+            reader.recv(pending)
             _sync(self.dev)
             total += (time.perf_counter() - t0) * 1e3
         return total
-
-
-def time_ar(model, prompt: list[int], steps: int, graphs: bool) -> float:
-    """Median ms of one AR step: graph replay + argmax + the host read of the token."""
-    dev = model.device
-    tgt = _target(model, 1, len(prompt) + steps + 64, graphs)
-    tgt.prefill(torch.tensor([prompt[:-1]], device=dev))
-    root = torch.tensor([prompt[-1]], device=dev)
-    times = []
-    for i in range(steps + WARMUP):
-        _sync(dev)
-        t0 = time.perf_counter()
-        nxt = tgt.step(root).argmax(-1)
-        root = torch.tensor(nxt.tolist(), device=dev)
-        _sync(dev)
-        if i >= WARMUP:
-            times.append((time.perf_counter() - t0) * 1e3)
-    return _median(times)
-
-
-def time_round16(model, prompt: list[int], rounds: int, graphs: bool) -> float:
-    """Median ms of one 16-draft-node beam-tree round: verify + accept + host read + commit."""
-    dev = model.device
-    parents = beam_tree(4, 4, 16)
-    n = len(parents)
-    tgt = _target(model, n, len(prompt) + (rounds + WARMUP) * n + 64, graphs)
-    tgt.prefill(torch.tensor([prompt[:-1]], device=dev))
-    par = torch.tensor([parents], device=dev)
-    g = torch.Generator(device=dev).manual_seed(0)
-    times = []
-    for i in range(rounds + WARMUP):
-        tokens = torch.randint(0, model.cfg.vocab_size, (1, n), device=dev, generator=g)
-        _sync(dev)
-        t0 = time.perf_counter()
-        out, acc = tgt.verify(tokens, par)
-        accepted = acc.length.tolist()
-        tgt.commit(out.records, acc.path, torch.tensor(accepted, device=dev), True)
-        _sync(dev)
-        if i >= WARMUP:
-            times.append((time.perf_counter() - t0) * 1e3)
-    return _median(times)
 
 
 def run(shape: str = "gdn-1.3b-paper", device: str = "cuda", dtype: torch.dtype | None = None,
@@ -271,8 +213,8 @@ def run(shape: str = "gdn-1.3b-paper", device: str = "cuda", dtype: torch.dtype 
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bw = copy_bandwidth() if graphs else None
 
-    ar_ms = time_ar(model, prompt, 20 if quick else 200, graphs)
-    round16 = time_round16(model, prompt, 5 if quick else 100, graphs)
+    ar_ms = time_ar_steps(model, prompt, 20 if quick else 200)
+    round16 = time_rounds(model, prompt, beam_tree(4, 4, 16), 5 if quick else 100)
     dm = random_drafter(model, seed + 1)
     total = rounds + WARMUP
     chunk = 30  # rounds between rewinds: the drafter's KV cache stays near its real size
@@ -282,7 +224,7 @@ def run(shape: str = "gdn-1.3b-paper", device: str = "cuda", dtype: torch.dtype 
     grid, per_length = [], []
     for L in lengths:
         rt = ChainRuntime(model, dm, L, prompt, max_len, capacity, graphs)
-        rt.round(L)  # captures every graph (and compiles, when fused) outside the timings
+        rt.round(L).tolist()  # captures every graph (and compiles, when fused) outside the timings
         rt.rewind()
         comp = rt.components(3 if quick else 20)
         per_length.append({"L": L, **comp})

@@ -36,23 +36,35 @@ def _prompt(vocab: int, length: int, seed: int = 0) -> list[int]:
     return base * 4  # repeats give the n-gram drafter something to copy
 
 
-def _time_rounds(model, prompt, parents, rounds: int, delayed: bool = True) -> float:
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _target(model, max_len: int, budget: int, delayed: bool):
+    """The decode loop's target: CUDA graphs on a GPU, eager elsewhere (a CPU smoke run)."""
+    if model.device.type == "cuda":
+        return GraphTarget(model, 1, max_len, budget, delayed)
+    return EagerTarget(model, 1, max_len)
+
+
+def time_rounds(model, prompt, parents, rounds: int, delayed: bool = True) -> float:
     """Median ms of one round as the decode loop runs it (`GraphTarget.round`: verify, accept,
     settle, commit in one graph replay) plus reading its report, each round on its own."""
-    n = len(parents)
-    tgt = GraphTarget(model, 1, len(prompt) + 4 * rounds * n + 64, n, delayed)
-    tgt.prefill(torch.tensor([prompt[:-1]], device=model.device))
-    tgt.begin(torch.tensor([prompt[-1]], device=model.device), 4 * rounds * n, set())
-    par = torch.tensor([parents], device=model.device)
-    g = torch.Generator(device=model.device).manual_seed(0)
+    n, dev = len(parents), model.device
+    tgt = _target(model, len(prompt) + 4 * rounds * n + 64, n, delayed)
+    tgt.prefill(torch.tensor([prompt[:-1]], device=dev))
+    tgt.begin(torch.tensor([prompt[-1]], device=dev), 4 * rounds * n, set())
+    par = torch.tensor([parents], device=dev)
+    g = torch.Generator(device=dev).manual_seed(0)
     times = []
     for i in range(rounds + 3):
-        tokens = torch.randint(0, model.cfg.vocab_size, (1, n), device=model.device, generator=g)
+        tokens = torch.randint(0, model.cfg.vocab_size, (1, n), device=dev, generator=g)
         tokens[:, 0] = tgt.next_root
-        torch.cuda.synchronize(model.device)
+        _sync(dev)
         t0 = time.perf_counter()
-        tgt.round(tokens, par).report.tolist()  # the loop's one host read per round
-        torch.cuda.synchronize(model.device)
+        tgt.round(tokens, par, delayed=delayed).report.tolist()  # the loop's one host read per round
+        _sync(dev)
         if i >= 3:
             times.append((time.perf_counter() - t0) * 1e3)
     return sorted(times)[len(times) // 2]
@@ -66,14 +78,15 @@ def _generate(model, make_drafter, graphs: bool, prompt, new_tokens: int):
     return Decoder(model, drafter, graphs=graphs, targets=targets).generate(prompt, new_tokens)
 
 
-def _time_ar_steps(model, prompt, steps: int) -> float:
+def time_ar_steps(model, prompt, steps: int) -> float:
     """Median ms of one greedy AR step (`GraphTarget.ar_round`) plus reading its report."""
-    tgt = GraphTarget(model, 1, len(prompt) + steps + 64, 1, True)
-    tgt.prefill(torch.tensor([prompt[:-1]], device=model.device))
-    tgt.begin(torch.tensor([prompt[-1]], device=model.device), steps + 3, set())
+    dev = model.device
+    tgt = _target(model, len(prompt) + steps + 64, 1, True)
+    tgt.prefill(torch.tensor([prompt[:-1]], device=dev))
+    tgt.begin(torch.tensor([prompt[-1]], device=dev), steps + 3, set())
     times = []
     for i in range(steps + 3):
-        torch.cuda.synchronize(model.device)
+        _sync(dev)
         t0 = time.perf_counter()
         tgt.ar_round().tolist()
         if i >= 3:
@@ -235,9 +248,9 @@ def _run(shapes, new_tokens, prompt_len, rounds, out_dir, quick, profile, dev) -
             "weight_floor_ms": weight_bytes / bw * 1e3,
             "ar_eager_ms_per_token": eager.decode_seconds / len(eager.tokens) * 1e3,
             "ar_graph_ms_per_token": graph.decode_seconds / len(graph.tokens) * 1e3,
-            "ar_step_ms": _time_ar_steps(model, prompt, 10 if quick else 100),
-            "round16_ms": _time_rounds(model, prompt, parents, 10 if quick else rounds),
-            "round16_immediate_ms": _time_rounds(model, prompt, parents, 10 if quick else rounds, delayed=False),
+            "ar_step_ms": time_ar_steps(model, prompt, 10 if quick else 100),
+            "round16_ms": time_rounds(model, prompt, parents, 10 if quick else rounds),
+            "round16_immediate_ms": time_rounds(model, prompt, parents, 10 if quick else rounds, delayed=False),
             "graph_equals_eager_ar": graph.tokens == eager.tokens,
             "graph_equals_eager_tree": tree_graph.tokens == tree_eager.tokens,
             "tree_equals_ar": tree_graph.tokens == graph.tokens,
@@ -250,7 +263,7 @@ def _run(shapes, new_tokens, prompt_len, rounds, out_dir, quick, profile, dev) -
         row["tree_verifier"] = ops.TREE_VERIFIER
         old, ops.TREE_VERIFIER = ops.TREE_VERIFIER, "serial"
         try:
-            row["round16_serial_verify_ms"] = _time_rounds(model, prompt, parents, 10 if quick else rounds)
+            row["round16_serial_verify_ms"] = time_rounds(model, prompt, parents, 10 if quick else rounds)
         finally:
             ops.TREE_VERIFIER = old
         row["fused"] = getattr(getattr(model, "_fused", None), "mode", None)
