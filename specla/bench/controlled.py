@@ -40,7 +40,7 @@ import torch
 
 from specla.acceptance import Acceptance
 from specla.bench.common import RESULTS, copy_bandwidth, write_results
-from specla.bench.decode import _sync, time_ar_steps, time_rounds
+from specla.bench.decode import _profile_fn, _sync, time_ar_steps, time_rounds
 from specla.bench.trees import beam_tree
 from specla.decode import _Reader
 from specla.drafters.base import DraftContext
@@ -221,13 +221,21 @@ def run(shape: str = "gdn-1.3b-paper", device: str = "cuda", dtype: torch.dtype 
     grow = (min(chunk, rounds) + WARMUP) * (max(lengths) + 1)
     capacity = 1 << math.ceil(math.log2(prompt_len + grow + max(lengths) + 16))
     max_len = prompt_len + grow + 64
-    grid, per_length = [], []
+    grid, per_length, profile = [], [], None
     for L in lengths:
         rt = ChainRuntime(model, dm, L, prompt, max_len, capacity, graphs)
-        rt.round(L).tolist()  # captures every graph (and compiles, when fused) outside the timings
-        rt.rewind()
+        # compile and capture outside the timings: the rollout has one graph per attention
+        # window, and the windows a timed run reaches depend only on how many rounds it runs
+        # (the drafter's host bound grows by the draft width every round), so one untimed run
+        # of the longest stretch between rewinds captures all of them (the first cell of
+        # 4a49bbb's successor run, p = 0.5 at L = 7, captured one inside its timing: 0.33x)
+        rt.timed([L] * total if quick else [L] * (WARMUP + chunk), chunk)
         comp = rt.components(3 if quick else 20)
         per_length.append({"L": L, **comp})
+        if graphs and L == max(lengths):
+            rt.rewind()
+            profile = {"draft": _profile_fn(rt.propose, 5, dev),
+                       "round": _profile_fn(lambda rt=rt: rt.verify_round(rt.propose()), 5, dev)}
         for p in ps:
             rng = random.Random(hash((seed, L, round(p * 100))) & 0xFFFFFFFF)
             accepted = [sample_accepted(p, L, rng) for _ in range(total)]
@@ -255,6 +263,9 @@ def run(shape: str = "gdn-1.3b-paper", device: str = "cuda", dtype: torch.dtype 
         "rounds": rounds, "prompt_len": prompt_len, "drafter_kv_capacity": capacity,
         "acceptance": "sampled: each draft token accepted with probability p until the first rejection",
         "per_length": per_length, "grid": grid,
+        # torch.profiler over 5 graph replays at the longest L: the drafter's proposal alone,
+        # and proposal + the target's round (GPU kernels per call, the top ones by time)
+        "profile_longest_L": profile,
     }
     _print(result)
     write_results("controlled", result, out_dir)
