@@ -227,8 +227,8 @@ def run(shape: str = "gdn-1.3b-paper", device: str = "cuda", dtype: torch.dtype 
         # compile and capture outside the timings: the rollout has one graph per attention
         # window, and the windows a timed run reaches depend only on how many rounds it runs
         # (the drafter's host bound grows by the draft width every round), so one untimed run
-        # of the longest stretch between rewinds captures all of them (the first cell of
-        # 4a49bbb's successor run, p = 0.5 at L = 7, captured one inside its timing: 0.33x)
+        # of the longest stretch between rewinds captures all of them (without it the H200 run
+        # of e79c8aa captured one inside the timing of p = 0.5, L = 7: 0.33x, controlled_e79c8aa.json)
         rt.timed([L] * total if quick else [L] * (WARMUP + chunk), chunk)
         comp = rt.components(3 if quick else 20)
         per_length.append({"L": L, **comp})
