@@ -169,6 +169,20 @@ def bench_decode(
         profile=profile, device=device)
 
 
+@bench_app.command("gemv")
+def bench_gemv(
+    shape: str = typer.Option("gdn-1.3b-paper", help="Named shape."),
+    layers: int = typer.Option(24, help="Distinct weight copies per matmul (an AR step's layers)."),
+    device: str = typer.Option("cuda"),
+    quick: bool = typer.Option(False, help="One copy each (smoke test; on CPU use --shape tiny)."),
+    out: Path = typer.Option(Path("benchmarks/results")),
+):
+    """The AR step's single-row matmuls through cuBLAS: layouts and padded shapes against the copy bandwidth."""
+    from specla.bench.gemv import run
+
+    run(shape=shape, device=device, layers=layers, quick=quick, out_dir=out)
+
+
 @bench_app.command("controlled")
 def bench_controlled(
     shape: str = typer.Option("gdn-1.3b-paper", help="Named shape (random weights)."),

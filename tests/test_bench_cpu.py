@@ -199,3 +199,27 @@ def test_controlled_rounds_accept_the_forced_count():
         assert int(rt.target.cache.length) - n0 == a + 1 and int(rt.drafter.len) - d0 == a + 1
     rt.rewind()
     assert int(rt.target.cache.length) == 15
+
+
+def test_warm_set_covers_every_power_of_two_context():
+    """The longest prompt first, then the longest of every smaller power-of-two context size."""
+    from specla.bench.common import warm_set
+
+    items = [(n, f"p{n}") for n in (3, 50, 60, 100, 120, 400, 10)]
+    # contexts with 8 new tokens: 11, 58, 68, 108, 128, 408, 18 -> sizes 16, 64, 128, 128, 128, 512, 32
+    assert warm_set(items, 8) == ["p400", "p120", "p50", "p10", "p3"]
+    assert warm_set([], 8) == []
+
+
+def test_gemv_quick_cpu(tmp_path):
+    from specla.bench import gemv
+    from specla.shapes import shape_config
+
+    res = gemv.run(shape="tiny", device="cpu", quick=True, out_dir=tmp_path)
+    data = json.loads((tmp_path / "gemv.json").read_text())
+    assert data["rows"] == res["rows"]
+    mats = gemv.matmuls(shape_config("tiny"))
+    assert {r["matmul"] for r in res["rows"]} == set(mats)
+    assert all(r["us"] > 0 and (r["N"], r["K"]) == mats[r["matmul"]] for r in res["rows"])
+    assert all(r["max_rel_diff"] < 1e-5 for r in res["rows"])  # fp32 on CPU: the same product
+    assert {"linear", "mm_kn", "split"} <= {r["variant"] for r in res["rows"]}

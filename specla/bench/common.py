@@ -64,3 +64,17 @@ def copy_bandwidth(nbytes: int = 2 ** 30) -> float:
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=200, return_mode="median")
     return 2 * src.numel() / (ms * 1e-3)
+
+
+def warm_set(items, max_new_tokens: int) -> list:
+    """What a benchmark generates, untimed, before timing anything: from (prompt length, item)
+    pairs, the longest item, then the longest of every shorter power-of-two context size
+    (length + max_new_tokens), longest first. The first sizes every buffer; each of the others
+    makes the drafters capture (and compile) their graph for one more attention window."""
+    widest: dict = {}
+    for n, item in items:
+        size = n + max_new_tokens
+        b = (size - 1).bit_length()
+        if b not in widest or size > widest[b][0]:
+            widest[b] = (size, item)
+    return [item for _, item in sorted(widest.values(), key=lambda t: -t[0])]

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from specla.bench.common import RESULTS, bootstrap, environment, write_results
+from specla.bench.common import RESULTS, bootstrap, environment, warm_set, write_results
 
 BASE_ROUTES = ("ar", "fla", "chain", "tree", "ngram", "dspark", "ready")
 ROUTES = BASE_ROUTES + tuple(f"{r}+exact" for r in BASE_ROUTES if r != "fla")
@@ -234,17 +234,10 @@ def run(model_dir=None, suites=SUITES, routes=BASE_ROUTES, limit: int | None = N
     records = _load_records(out_dir, name)
     todo = [w for w in _work(suites, routes, limit, fla_limit, shard)
             if w[2].id not in records.get(w[1], {}).get(w[3], {})]
-    # compile and autotune kernels, size every buffer and capture graphs outside the timings:
-    # the longest prompt first (a longer one later would build a new target), then the longest
-    # of every shorter power-of-two context size (drafters capture a graph per attention window)
+    # compile and autotune kernels, size every buffer and capture graphs outside the timings
     unique = {(suite, p.id): p for _, suite, p, _ in todo}.values()  # each prompt once, not once per route
-    widest: dict = {}
-    for p in unique:
-        size = len(lm.encode_prompt(p.turns[0])) + max_new_tokens
-        b = (size - 1).bit_length()
-        if b not in widest or size > widest[b][0]:
-            widest[b] = (size, p.turns[0])
-    warm = [text for _, text in sorted(widest.values(), reverse=True)] or ["warm up"]
+    warm = warm_set(((len(lm.encode_prompt(p.turns[0])), p.turns[0]) for p in unique), max_new_tokens)
+    warm = warm or ["warm up"]
     for route in tqdm(routes, desc="warm-up (compile, autotune, capture)", unit="route"):
         t0 = time.perf_counter()
         for text in warm:

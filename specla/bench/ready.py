@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from specla.bench.common import RESULTS, bootstrap, write_results
+from specla.bench.common import RESULTS, bootstrap, warm_set, write_results
 from specla.bench.e2e import bootstrap_ratio
 from specla.graphs import capture as capture_graph
 
@@ -193,15 +193,10 @@ def decode_section(lm, drafters: dict, suites, n_prompts, max_new_tokens: int, g
                              graphs=graphs, delayed=delayed) for row in ["ar", *drafters]}
     work = {suite: [(p.id, lm.encode_prompt(p.turns[0])) for p in _pick(load_suite(suite), n_prompts)]
             for suite in suites}
-    # the longest prompt sizes every buffer; then the longest of every shorter power-of-two
-    # context size, so each attention window's graph is captured (and compiled) before timing
-    widest: dict = {}
-    for ids in (ids for items in work.values() for _, ids in items):
-        b = (len(ids) + max_new_tokens - 1).bit_length()
-        if b not in widest or len(ids) > len(widest[b]):
-            widest[b] = ids
+    # every buffer sized and every attention window's graph captured before timing
+    warm = warm_set(((len(ids), ids) for items in work.values() for _, ids in items), max_new_tokens)
     for dec in decoders.values():
-        for ids in sorted(widest.values(), key=len, reverse=True):
+        for ids in warm:
             dec.generate(ids, max_new_tokens)
     complete = True
     for suite in suites:

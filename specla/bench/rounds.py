@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from specla.bench.common import RESULTS, write_results
+from specla.bench.common import RESULTS, warm_set, write_results
 from specla.bench.e2e import _route_kwargs
 
 PHASES = {"drafter": ("propose", "extend"), "target": ("round", "ar_round")}
@@ -91,12 +91,14 @@ def run(model_dir=None, routes=("ar", "chain", "tree", "ngram"), suite: str = "m
     if lm.model.device.type != "cuda":
         raise SystemExit("bench rounds times CUDA work: run it on a GPU")
     prompts = [p.turns[0] for p in load_suite(suite, limit=n_prompts)]
+    warm = warm_set(((len(lm.encode_prompt(p)), p) for p in prompts), max_new_tokens)
     for route in warm_routes:
         lm.generate(prompts[0], max_new_tokens=max_new_tokens, **_route_kwargs(route))
     rows = []
     for route, pipeline in [(r, p) for r in routes for p in (True, False)]:
         kw = dict(_route_kwargs(route), pipeline=pipeline)
-        lm.generate(prompts[0], max_new_tokens=max_new_tokens, **kw)  # build, compile, capture
+        for text in warm:  # build, compile, capture (a graph per drafter attention window)
+            lm.generate(text, max_new_tokens=max_new_tokens, **kw)
         timer = _Timer()
         for drafter in {id(d): d for d in lm._drafters.values() if d is not None}.values():
             for name in PHASES["drafter"]:
