@@ -8,7 +8,9 @@ model runs it (`F.linear`), and the variants a fix could pick without writing a 
 - `linear`: F.linear(x, W), W [N, K] (what the model does);
 - `mm_kn`: x @ W' with W' [K, N] contiguous (the other cuBLAS layout, same bytes);
 - `pad_M`: W's N rounded up to a multiple of M (other tilings; the extra rows are waste);
-- `split`: in_proj as its [q; k; v; z] part and its a|b part (2·HV rows) in two calls.
+- `split`: in_proj as its [q; k; v; z] part and its a|b part (2·HV rows) in two calls;
+- `triton_BN_BK_wW`: specla's own GEMV kernel (`ops.linear.triton`) at each of its tilings
+  (on CPU only under Triton's interpreter).
 
 Every variant runs over `layers` distinct weight copies inside one CUDA graph (the H200's L2
 holds 50 MB: one matrix replayed alone would be served from it), so a figure is a decode
@@ -17,6 +19,8 @@ Writes `gemv.json`. On CPU (`quick`): a smoke run of the code path, the times me
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +73,13 @@ def run(shape: str = "gdn-1.3b-paper", device: str = "cuda", layers: int = 24, p
                 wp = [F.pad(w, (0, 0, 0, Np - N)) for w in ws]
                 variants[f"pad_{m}"] = lambda wp=wp: [F.linear(x, w) for w in wp]
                 del wp
+        if cuda or os.environ.get("TRITON_INTERPRET") == "1":
+            from specla.ops.linear import triton as linear
+
+            for bn, bk, warps in linear.TILINGS[:2] if quick else linear.TILINGS:
+                variants[f"triton_{bn}_{bk}_w{warps}"] = (
+                    lambda bn=bn, bk=bk, warps=warps, ws=ws: [
+                        linear.gemv(x, w, block_n=bn, block_k=bk, num_warps=warps) for w in ws])
         if name == "in_proj":
             ab = 2 * cfg.num_v_heads
             parts = [(w[:N - ab].contiguous(), w[N - ab:].contiguous()) for w in ws]

@@ -22,13 +22,14 @@ POINTERS = {
     "plen": "*i64", "valid": "*i64", "path": "*i64", "length": "*i64",
     "x": "*bf16", "conv_state": "*bf16", "weight": "*bf16", "y": "*bf16",
 }
-SCALARS = {"scale": "fp32", "n": "i32", "P": "i32", "C": "i32", "n_tiles": "i32"}
+SCALARS = {"scale": "fp32", "n": "i32", "P": "i32", "C": "i32", "n_tiles": "i32", "n_out": "i32", "n_in": "i32"}
 
 
 def variants(H=8, HV=8, K=256, V=256):
     """(name, kernel, constexprs, num_warps) for every variant the dispatch and benchmarks use."""
     from specla.ops.conv import triton as conv
     from specla.ops.gdn import commit, parallel, serial
+    from specla.ops.linear import triton as linear
 
     for BV, warps in ((8, 1), (8, 2), (8, 4), (16, 4), (16, 8), (32, 8)):
         for tree, hybrid, pending, final in ((False, False, False, False), (False, False, False, True),
@@ -51,6 +52,8 @@ def variants(H=8, HV=8, K=256, V=256):
     for NP in (16, 64):
         yield f"tree_conv NP={NP}", conv._tree_conv_kernel, dict(W=4, NP=NP, BC=2048 // NP, HAS_BIAS=False), 4
     yield "conv_commit", conv._conv_commit_kernel, dict(W=4, WP=4, BC=128), 4
+    for BN, BK, warps in linear.TILINGS:
+        yield f"gemv BN={BN} BK={BK} w={warps}", linear._gemv_kernel, dict(BN=BN, BK=BK), warps
 
 
 def _gdn_type(arg: str) -> str:
