@@ -160,13 +160,15 @@ def bench_decode(
     device: str = typer.Option("cuda", help="cuda | cuda:N"),
     profile: bool = typer.Option(False, "--profile", help="Also profile ~5 eager AR steps and 16-node rounds "
                                  "per shape (kernels per step, GPU time, top kernels; plain and fused)."),
+    gemv: str = typer.Option("cublas", help="Fused path only: comma-separated ways to run an AR step's "
+                             "single-row matmuls (cublas | triton), one row per shape and way, same run."),
     out: Path = typer.Option(Path("benchmarks/results")),
 ):
     """AR ms/token (eager and CUDA graphs) and one 16-node speculative round, at named shapes (GPU)."""
     from specla.bench.decode import run
 
     run(tuple(s for s in shapes.split(",") if s), new_tokens=new_tokens, rounds=rounds, out_dir=out,
-        profile=profile, device=device)
+        profile=profile, device=device, gemvs=tuple(g for g in gemv.split(",") if g))
 
 
 @bench_app.command("gemv")

@@ -63,6 +63,7 @@ from specla.state import GDNRecord
 
 ENV = "SPECLA_COMPILE"
 MODES = ("default", "max-autotune")
+GEMVS = ("cublas", "triton")  # how an AR step's single-row matmuls run (`_linear`)
 MAX_TOKENS = 256  # verify topologies larger than this stay on the plain path
 MAX_PREFILL = 4096  # longer prefill calls stay on the plain path
 
@@ -82,11 +83,12 @@ def env_mode() -> str | None:
 def maybe_fuse(model) -> None:
     """Fuse `model` when `SPECLA_COMPILE` asks for it (called when a target is built);
     `SPECLA_COMPILE_DYNAMIC=0` compiles one static graph per verify size instead of one
-    graph with a symbolic node count."""
+    graph with a symbolic node count; `SPECLA_COMPILE_GEMV=triton` runs an AR step's
+    single-row matmuls through specla's GEMV kernel (`_linear`)."""
     mode = env_mode()
     if mode is not None and getattr(model, "_fused", None) is None:
         dyn = os.environ.get(ENV + "_DYNAMIC", "1").strip().lower() not in ("0", "false", "no", "off")
-        model.fuse(mode=mode, dynamic_tokens=dyn)
+        model.fuse(mode=mode, dynamic_tokens=dyn, gemv=os.environ.get(ENV + "_GEMV", "cublas").strip().lower())
 
 
 def _options(mode: str) -> dict:
@@ -221,14 +223,25 @@ def _make_factors(H, K, HV, V, neg, sdt):
     return factors
 
 
-def _make_seq_pre(eps, zc, sizes, conv, W, use_gate, factor_consts):
+def _linear(x, w, one_row: str):
+    """F.linear. With one_row "triton", a single row (an AR step at batch 1; decided when the
+    region is traced) goes through specla's GEMV kernel (`ops.gemv`, a custom op: one opaque
+    call inside the compiled region) instead of cuBLAS. Inductor generating the GEMV itself, as
+    a reduction with the norm fused into its loads, was measured slower than cuBLAS on the H200
+    (AR step 2.08 against 1.64 ms; BENCHMARKS.md)."""
+    if one_row == "triton" and x.numel() == x.shape[-1]:
+        return ops.gemv(x, w)
+    return F.linear(x, w)
+
+
+def _make_seq_pre(eps, zc, sizes, conv, W, use_gate, factor_consts, one_row="cublas"):
     factors = _make_factors(*factor_consts)
 
     def seq_pre(x, r, norm_w, in_w, conv_state, conv_w, conv_b, A_log, dt_bias):
         """Residual add, norm, projection, short conv (conv state advanced in place), factors."""
         if r is not None:
             x = x + r
-        xp, z, a, b = torch.split(F.linear(_rms(x, norm_w, eps, zc), in_w), sizes, dim=-1)
+        xp, z, a, b = torch.split(_linear(_rms(x, norm_w, eps, zc), in_w, one_row), sizes, dim=-1)
         if conv:
             # ops.conv_sequence (a depthwise conv1d), written as W multiply-adds so it fuses;
             # accumulated in fp32 like cuDNN's conv, rounded once to the activation dtype
@@ -259,29 +272,29 @@ def _make_tree_in(eps, zc, sizes, use_gate):
     return tree_in
 
 
-def _make_post(eps_o, act, HV, V, eps_m, zc, I):
+def _make_post(eps_o, act, HV, V, eps_m, zc, I, one_row="cublas"):
     def post(o, z, x, o_norm_w, o_w, mlp_norm_w, w1, w2, down_w):
         """Gated output norm, o_proj, residual add, MLP norm, SwiGLU MLP; the MLP output is
         returned unsummed (the next region adds it to the residual)."""
         B, n = o.shape[:2]
         zz = None if z is None else z.reshape(B, n, HV, V)
         y = _gated_rms_norm(o, zz, o_norm_w, eps_o, act)
-        x = x + F.linear(y.reshape(B, n, -1).to(x.dtype), o_w)
+        x = x + _linear(y.reshape(B, n, -1).to(x.dtype), o_w, one_row)
         h = _rms(x, mlp_norm_w, eps_m, zc)
         if w2 is None:  # w1 = [gate; up]
-            gu = F.linear(h, w1)
+            gu = _linear(h, w1, one_row)
             gate, up = gu[..., :I], gu[..., I:]
         else:
-            gate, up = F.linear(h, w1), F.linear(h, w2)
-        return x, F.linear(F.silu(gate) * up, down_w)
+            gate, up = _linear(h, w1, one_row), _linear(h, w2, one_row)
+        return x, _linear(F.silu(gate) * up, down_w, one_row)
     return post
 
 
-def _make_head(eps, zc):
+def _make_head(eps, zc, one_row="cublas"):
     def head(x, r, norm_w, lm_w):
         if r is not None:
             x = x + r
-        return x, F.linear(_rms(x, norm_w, eps, zc), lm_w)
+        return x, _linear(_rms(x, norm_w, eps, zc), lm_w, one_row)
     return head
 
 
@@ -352,7 +365,7 @@ def mark_dynamic(dim: int, *ts) -> None:
 class _Layer:
     """One fusable block (GDN mixer + SwiGLU MLP): its compiled regions and weight handles."""
 
-    def __init__(self, blk, sdt, mode, concat_mlp, compile_fn):
+    def __init__(self, blk, sdt, mode, concat_mlp, compile_fn, gemv):
         mix, cfg = blk.mixer, blk.mixer.cfg
         self.blk, self.mix = blk, mix
         sizes = (sum(mix.split[:3]), mix.split[3], mix.split[4], mix.split[5])
@@ -360,12 +373,12 @@ class _Layer:
         self.conv = cfg.use_short_conv
         fc = (mix.H, mix.K, mix.HV, mix.V, bool(cfg.allow_neg_eigval), sdt)
         self.seq_pre = compile_fn("seq_pre", (an.eps, an.zero_centered, sizes, self.conv, cfg.conv_size,
-                                              cfg.use_gate, fc), mode)
+                                              cfg.use_gate, fc, gemv), mode)
         self.tree_in = compile_fn("tree_in", (an.eps, an.zero_centered, sizes, cfg.use_gate), mode)
         self.factors = compile_fn("factors", fc, mode)
         I = blk.mlp.gate_proj.weight.shape[0]
         self.post = compile_fn("post", (cfg.norm_eps, cfg.gate_activation, mix.HV, mix.V, mn.eps,
-                                        mn.zero_centered, I), mode)
+                                        mn.zero_centered, I, gemv), mode)
         self.concat_mlp = concat_mlp
         self._gu, self._gu_key = None, None
 
@@ -398,12 +411,14 @@ class FusedModel:
     """
 
     def __init__(self, model, mode: str = "default", concat_mlp: bool = True, max_shapes: int = 16,
-                 compile: bool = True, dynamic_tokens: bool = True):
+                 compile: bool = True, dynamic_tokens: bool = True, gemv: str = "cublas"):
         from specla.model import GatedDeltaNet, GatedMLP, state_dtype_for
 
         if mode not in MODES:
             raise ValueError(f"unknown fuse mode {mode!r}; choose one of {', '.join(MODES)}")
-        self.model, self.mode, self.max_shapes = model, mode, max_shapes
+        if gemv not in GEMVS:
+            raise ValueError(f"unknown gemv {gemv!r}; choose one of {', '.join(GEMVS)}")
+        self.model, self.mode, self.max_shapes, self.gemv = model, mode, max_shapes, gemv
         self.dynamic_tokens = dynamic_tokens
         _raise_recompile_limit()
         if compile:
@@ -411,11 +426,11 @@ class FusedModel:
         else:
             compile_fn = lambda kind, consts, mode: eager(kind, consts)  # noqa: E731
         sdt = state_dtype_for(model.dtype)
-        self.layers = [_Layer(blk, sdt, mode, concat_mlp, compile_fn)
+        self.layers = [_Layer(blk, sdt, mode, concat_mlp, compile_fn, gemv)
                        if isinstance(blk.mixer, GatedDeltaNet) and type(blk.mlp) is GatedMLP else None
                        for blk in model.layers]
         n = model.norm
-        self.head = compile_fn("head", (n.eps, n.zero_centered), mode)
+        self.head = compile_fn("head", (n.eps, n.zero_centered, gemv), mode)
         self.shapes: set = set()
         self.compile = compile
 

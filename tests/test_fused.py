@@ -80,6 +80,21 @@ def test_uncompiled_regions_equal_plain(seed):
     _compare(random_model(cfg, seed), dict(compile=False), seed, capture=(0, 1))
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_uncompiled_triton_gemv_equals_plain(seed):
+    """gemv="triton": the AR step's single-row matmuls through ops.gemv (verifies keep F.linear)
+    compute the same function: float64 (the reference), and fp32 through the Triton kernel
+    itself under the interpreter."""
+    from specla import ops
+
+    cfg = tiny_config(seed, num_hidden_layers=2)
+    _compare(random_model(cfg, seed), dict(compile=False, gemv="triton"), seed, capture=(0, 1))
+    with ops.backend("triton"):
+        _compare(random_model(cfg, seed).float(), dict(compile=False, gemv="triton"), seed, tol=1e-5, capture=(0,))
+    with pytest.raises(ValueError, match="gemv"):
+        random_model(cfg, seed).fuse(compile=False, gemv="cutlass")
+
+
 def _hybrid_cfg(moe: bool):
     return tiny_config(
         1, num_hidden_layers=4, layer_types=[GDN, GDN, ATTENTION, GDN], attn_num_heads=4, attn_num_kv_heads=2,
@@ -184,6 +199,13 @@ def test_compiled_equals_plain_fp32(tiny_fp32, dynamic_tokens):
     before = du.counters["stats"]["unique_graphs"]
     _compare(model, kw, 1, tol=1e-5, capture=(1,))
     assert du.counters["stats"]["unique_graphs"] == before
+
+
+@needs_cxx
+def test_compiled_triton_gemv_equals_plain_fp32(tiny_fp32):
+    """Inside compiled regions ops.gemv is one opaque call (here its CPU reference)."""
+    diff = _compare(tiny_fp32, dict(gemv="triton"), 2, tol=1e-5, capture=(1,))
+    assert diff["step"] < 1e-5
 
 
 @needs_cxx

@@ -217,24 +217,35 @@ def _print_profiles(rows) -> None:
 
 def run(shapes=("gdn-1.3b-paper", "gdn-1.3b-paper-hybrid"), new_tokens: int = 64, prompt_len: int = 256,
         rounds: int = 50, out_dir=RESULTS, quick: bool = False, profile: bool = False,
-        device: str = "cuda") -> dict:
+        device: str = "cuda", gemvs=("cublas",)) -> dict:
+    """`gemvs`: with the fused path (SPECLA_COMPILE), one row per shape and way of running the
+    AR step's single-row matmuls (`fused.GEMVS`), timed in this run."""
+    from specla.fused import GEMVS, env_mode
+
     dev = torch.device(device)
     if dev.type != "cuda":
         raise ValueError(f"bench decode times CUDA graphs: --device must be a CUDA device, got {device!r}")
+    bad = [g for g in gemvs if g not in GEMVS]
+    if bad or not gemvs or (tuple(gemvs) != ("cublas",) and env_mode() is None):
+        raise ValueError(f"--gemv takes {', '.join(GEMVS)} (anything but cublas needs SPECLA_COMPILE), got {gemvs}")
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     with torch.cuda.device(dev):  # copy_bandwidth, streams, Triton launches: the chosen GPU
-        return _run(shapes, new_tokens, prompt_len, rounds, out_dir, quick, profile, dev)
+        return _run(shapes, new_tokens, prompt_len, rounds, out_dir, quick, profile, dev, tuple(gemvs))
 
 
-def _run(shapes, new_tokens, prompt_len, rounds, out_dir, quick, profile, dev) -> dict:
+def _run(shapes, new_tokens, prompt_len, rounds, out_dir, quick, profile, dev, gemvs) -> dict:
     from rich.console import Console
     from rich.table import Table
 
+    from specla.fused import env_mode
+
     bw = copy_bandwidth()
     rows = []
-    for shape in shapes:
+    for shape, gemv in ((s, g) for s in shapes for g in gemvs):
         model = random_model(shape, device=dev, dtype=torch.bfloat16)
+        if env_mode() is not None:
+            model.fuse(mode=env_mode(), gemv=gemv)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         prompt = _prompt(model.cfg.vocab_size, prompt_len)
         eager = _generate(model, None, False, prompt, new_tokens)
@@ -244,7 +255,7 @@ def _run(shapes, new_tokens, prompt_len, rounds, out_dir, quick, profile, dev) -
         tree_graph = _generate(model, drafter, True, prompt, new_tokens)
         parents = beam_tree(4, 4, 16)
         row = {
-            "shape": shape, "params": sum(p.numel() for p in model.parameters()),
+            "shape": shape, "gemv": gemv, "params": sum(p.numel() for p in model.parameters()),
             "weight_floor_ms": weight_bytes / bw * 1e3,
             "ar_eager_ms_per_token": eager.decode_seconds / len(eager.tokens) * 1e3,
             "ar_graph_ms_per_token": graph.decode_seconds / len(graph.tokens) * 1e3,
@@ -277,7 +288,7 @@ def _run(shapes, new_tokens, prompt_len, rounds, out_dir, quick, profile, dev) -
     if profile:
         _print_profiles(rows)
     table = Table(title="batch-1 decode costs (ms)")
-    cols = ["shape", "weight_floor_ms", "ar_eager_ms_per_token", "ar_graph_ms_per_token", "ar_step_ms",
+    cols = ["shape", "gemv", "weight_floor_ms", "ar_eager_ms_per_token", "ar_graph_ms_per_token", "ar_step_ms",
             "round16_ms", "round16_serial_verify_ms", "round16_over_ar", "graph_equals_eager_ar", "tree_equals_ar"]
     for c in cols:
         table.add_column(c)
@@ -286,8 +297,6 @@ def _run(shapes, new_tokens, prompt_len, rounds, out_dir, quick, profile, dev) -
     Console().print(table)
     result = {"copy_bandwidth_GBps": bw / 1e9, "new_tokens": new_tokens, "prompt_len": prompt_len,
               "device": str(dev), "rows": rows}
-    from specla.fused import env_mode
-
     name = "decode_fused" if env_mode() else "decode"
     write_results(name, result, out_dir)
     plot(result, Path(out_dir) / f"{name}.png")
@@ -307,7 +316,9 @@ def plot(result: dict, path: Path) -> None:
     for j, (key, label) in enumerate(bars):
         ax.barh([i * (len(bars) + 1) + j for i in range(len(rows))], [r[key] for r in rows], color=f"C{j}",
                 label=label)
-    ax.set_yticks([i * (len(bars) + 1) + 1.5 for i in range(len(rows))], [r["shape"] for r in rows])
+    several = len({r.get("gemv") for r in rows}) > 1  # rows per shape and gemv
+    ax.set_yticks([i * (len(bars) + 1) + 1.5 for i in range(len(rows))],
+                  [r["shape"] + (f", gemv {r['gemv']}" if several else "") for r in rows])
     ax.invert_yaxis()
     ax.set_xlabel("ms (batch 1, bf16 weights, fp32 state)")
     ax.legend(fontsize=8)

@@ -35,6 +35,7 @@ import torch
 
 from specla.ops.conv import naive as conv_ref
 from specla.ops.gdn import naive as gdn_ref
+from specla.ops.linear import naive as linear_ref
 
 _BACKENDS = ("auto", "torch", "triton")
 _backend = os.environ.get("SPECLA_BACKEND", "auto")
@@ -189,3 +190,24 @@ def conv_commit(conv_state, x, path, length):
 
 def conv_sequence(x, conv_state, weight, bias):
     return conv_ref.conv_sequence(x, conv_state, weight, bias)
+
+
+# the GEMV's tiling (`ops.linear.triton.TILINGS`); `specla bench gemv` times them all
+GEMV_TILING = {"block_n": 8, "block_k": 512, "num_warps": 4}
+
+
+@torch.library.custom_op("specla::gemv", mutates_args=())
+def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """One row times weightᵀ (a batch-1 step's matmul): the Triton GEMV (`ops.linear`) where
+    Triton runs, the reference elsewhere and for fp64. A custom op, so that inside a compiled
+    region it stays one opaque call (`fused.GEMVS`)."""
+    if not use_triton(x) or x.dtype == torch.float64:
+        return linear_ref.gemv(x, weight)
+    from specla.ops.linear import triton as linear_triton
+
+    return linear_triton.gemv(x, weight, **GEMV_TILING)
+
+
+@gemv.register_fake
+def _gemv_shape(x, weight):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
