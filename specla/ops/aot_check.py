@@ -22,6 +22,7 @@ POINTERS = {
     "plen": "*i64", "valid": "*i64", "path": "*i64", "length": "*i64",
     "x": "*bf16", "conv_state": "*bf16", "weight": "*bf16", "y": "*bf16",
 }
+ALIGNED = ("n_in",)
 SCALARS = {"scale": "fp32", "n": "i32", "P": "i32", "C": "i32", "n_tiles": "i32", "n_out": "i32", "n_in": "i32"}
 
 
@@ -70,7 +71,8 @@ def compile_variant(kernel, consts, num_warps, arch=90, type_of=_gdn_type):
 
     names = kernel.arg_names
     sig = {a: "constexpr" if a in consts else type_of(a) for a in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if sig[a].startswith("*")}
+    # pointers, and the sizes the JIT specialises on (a multiple of 16 at the paper shape)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if sig[a].startswith("*") or a in ALIGNED}
     compiled = triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": num_warps})
     with tempfile.TemporaryDirectory() as d:

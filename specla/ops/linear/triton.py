@@ -14,10 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
-TILINGS = ((4, 512, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 8), (32, 256, 8))
+TILINGS = ((4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (8, 2048, 8), (16, 256, 4),
+           (16, 512, 8), (32, 256, 8))
 
 
-@triton.jit(do_not_specialize=["n_out", "n_in"])
+@triton.jit  # n_in specialises on divisibility by 16: without it no weight load is vectorised
 def _gemv_kernel(x, weight, y, n_out, n_in, BN: tl.constexpr, BK: tl.constexpr):
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     cols = tl.arange(0, BK)
@@ -27,7 +28,9 @@ def _gemv_kernel(x, weight, y, n_out, n_in, BN: tl.constexpr, BK: tl.constexpr):
     for k0 in range(0, n_in, BK):
         mk = k0 + cols < n_in
         xv = tl.load(x + k0 + cols, mask=mk, other=0.0).to(tl.float32)
-        wv = tl.load(p_w + k0, mask=mr[:, None] & mk[None, :], other=0.0).to(tl.float32)
+        # each weight is read once per step: keep it from displacing what the next kernels reuse
+        wv = tl.load(p_w + k0, mask=mr[:, None] & mk[None, :], other=0.0,
+                     eviction_policy="evict_first").to(tl.float32)
         acc += wv * xv[None, :]
     tl.store(y + rows, tl.sum(acc, 1).to(y.dtype.element_ty), mask=mr)
 
