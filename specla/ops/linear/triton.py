@@ -24,14 +24,16 @@ def _gemv_kernel(x, weight, y, n_out, n_in, BN: tl.constexpr, BK: tl.constexpr):
     cols = tl.arange(0, BK)
     mr = rows < n_out
     p_w = weight + rows[:, None].to(tl.int64) * n_in + cols[None, :]
+    p_x = x + rows[:, None] * 0 + cols[None, :]
     acc = tl.zeros([BN, BK], dtype=tl.float32)
     for k0 in range(0, n_in, BK):
-        mk = k0 + cols < n_in
-        xv = tl.load(x + k0 + cols, mask=mk, other=0.0).to(tl.float32)
+        m = mr[:, None] & (k0 + cols < n_in)[None, :]
+        # x is loaded once per tile row, in the tile's own layout (from L1 after the first): a
+        # smaller load would be moved into that layout through shared memory, two barriers a tile
+        xv = tl.load(p_x + k0, mask=m, other=0.0).to(tl.float32)
         # each weight is read once per step: keep it from displacing what the next kernels reuse
-        wv = tl.load(p_w + k0, mask=mr[:, None] & mk[None, :], other=0.0,
-                     eviction_policy="evict_first").to(tl.float32)
-        acc += wv * xv[None, :]
+        wv = tl.load(p_w + k0, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        acc += wv * xv
     tl.store(y + rows, tl.sum(acc, 1).to(y.dtype.element_ty), mask=mr)
 
 
