@@ -63,7 +63,7 @@ from specla.state import GDNRecord
 
 ENV = "SPECLA_COMPILE"
 MODES = ("default", "max-autotune")
-GEMVS = ("cublas", "triton")  # how an AR step's single-row matmuls run (`_linear`)
+GEMVS = ("cublas", "triton")  # how a batch-1 step's matmuls run (`_linear`)
 MAX_TOKENS = 256  # verify topologies larger than this stay on the plain path
 MAX_PREFILL = 4096  # longer prefill calls stay on the plain path
 
@@ -83,8 +83,8 @@ def env_mode() -> str | None:
 def maybe_fuse(model) -> None:
     """Fuse `model` when `SPECLA_COMPILE` asks for it (called when a target is built);
     `SPECLA_COMPILE_DYNAMIC=0` compiles one static graph per verify size instead of one
-    graph with a symbolic node count; `SPECLA_COMPILE_GEMV=triton` runs an AR step's
-    single-row matmuls through specla's GEMV kernel (`_linear`)."""
+    graph with a symbolic node count; `SPECLA_COMPILE_GEMV=triton` runs the steps' and
+    verifies' matmuls through specla's batch-1 kernels (`_linear`)."""
     mode = env_mode()
     if mode is not None and getattr(model, "_fused", None) is None:
         dyn = os.environ.get(ENV + "_DYNAMIC", "1").strip().lower() not in ("0", "false", "no", "off")
@@ -223,25 +223,23 @@ def _make_factors(H, K, HV, V, neg, sdt):
     return factors
 
 
-def _linear(x, w, one_row: str):
-    """F.linear. With one_row "triton", a single row (an AR step at batch 1; decided when the
-    region is traced) goes through specla's GEMV kernel (`ops.gemv`, a custom op: one opaque
-    call inside the compiled region) instead of cuBLAS. Inductor generating the GEMV itself, as
-    a reduction with the norm fused into its loads, was measured slower than cuBLAS on the H200
+def _linear(x, w, gemv: str):
+    """F.linear, or with gemv "triton" specla's batch-1 matmul kernels (`ops.skinny_linear`, a
+    custom op: one opaque call inside the compiled region): the GEMV for an AR step's single
+    row, the skinny GEMM for a verify's few. Inductor generating the GEMV itself, as a
+    reduction with the norm fused into its loads, was measured slower than cuBLAS on the H200
     (AR step 2.08 against 1.64 ms; BENCHMARKS.md)."""
-    if one_row == "triton" and x.numel() == x.shape[-1]:
-        return ops.gemv(x, w)
-    return F.linear(x, w)
+    return ops.skinny_linear(x, w) if gemv == "triton" else F.linear(x, w)
 
 
-def _make_seq_pre(eps, zc, sizes, conv, W, use_gate, factor_consts, one_row="cublas"):
+def _make_seq_pre(eps, zc, sizes, conv, W, use_gate, factor_consts, gemv="cublas"):
     factors = _make_factors(*factor_consts)
 
     def seq_pre(x, r, norm_w, in_w, conv_state, conv_w, conv_b, A_log, dt_bias):
         """Residual add, norm, projection, short conv (conv state advanced in place), factors."""
         if r is not None:
             x = x + r
-        xp, z, a, b = torch.split(_linear(_rms(x, norm_w, eps, zc), in_w, one_row), sizes, dim=-1)
+        xp, z, a, b = torch.split(_linear(_rms(x, norm_w, eps, zc), in_w, gemv), sizes, dim=-1)
         if conv:
             # ops.conv_sequence (a depthwise conv1d), written as W multiply-adds so it fuses;
             # accumulated in fp32 like cuDNN's conv, rounded once to the activation dtype
@@ -262,39 +260,39 @@ def _make_seq_pre(eps, zc, sizes, conv, W, use_gate, factor_consts, one_row="cub
     return seq_pre
 
 
-def _make_tree_in(eps, zc, sizes, use_gate):
+def _make_tree_in(eps, zc, sizes, use_gate, gemv="cublas"):
     def tree_in(x, r, norm_w, in_w):
         """Residual add, norm, projection: the pre-conv inputs go to ops.tree_conv."""
         if r is not None:
             x = x + r
-        xp, z, a, b = torch.split(F.linear(_rms(x, norm_w, eps, zc), in_w), sizes, dim=-1)
+        xp, z, a, b = torch.split(_linear(_rms(x, norm_w, eps, zc), in_w, gemv), sizes, dim=-1)
         return x, xp, (z if use_gate else None), a, b
     return tree_in
 
 
-def _make_post(eps_o, act, HV, V, eps_m, zc, I, one_row="cublas"):
+def _make_post(eps_o, act, HV, V, eps_m, zc, I, gemv="cublas"):
     def post(o, z, x, o_norm_w, o_w, mlp_norm_w, w1, w2, down_w):
         """Gated output norm, o_proj, residual add, MLP norm, SwiGLU MLP; the MLP output is
         returned unsummed (the next region adds it to the residual)."""
         B, n = o.shape[:2]
         zz = None if z is None else z.reshape(B, n, HV, V)
         y = _gated_rms_norm(o, zz, o_norm_w, eps_o, act)
-        x = x + _linear(y.reshape(B, n, -1).to(x.dtype), o_w, one_row)
+        x = x + _linear(y.reshape(B, n, -1).to(x.dtype), o_w, gemv)
         h = _rms(x, mlp_norm_w, eps_m, zc)
         if w2 is None:  # w1 = [gate; up]
-            gu = _linear(h, w1, one_row)
+            gu = _linear(h, w1, gemv)
             gate, up = gu[..., :I], gu[..., I:]
         else:
-            gate, up = _linear(h, w1, one_row), _linear(h, w2, one_row)
-        return x, _linear(F.silu(gate) * up, down_w, one_row)
+            gate, up = _linear(h, w1, gemv), _linear(h, w2, gemv)
+        return x, _linear(F.silu(gate) * up, down_w, gemv)
     return post
 
 
-def _make_head(eps, zc, one_row="cublas"):
+def _make_head(eps, zc, gemv="cublas"):
     def head(x, r, norm_w, lm_w):
         if r is not None:
             x = x + r
-        return x, _linear(_rms(x, norm_w, eps, zc), lm_w, one_row)
+        return x, _linear(_rms(x, norm_w, eps, zc), lm_w, gemv)
     return head
 
 
@@ -374,7 +372,7 @@ class _Layer:
         fc = (mix.H, mix.K, mix.HV, mix.V, bool(cfg.allow_neg_eigval), sdt)
         self.seq_pre = compile_fn("seq_pre", (an.eps, an.zero_centered, sizes, self.conv, cfg.conv_size,
                                               cfg.use_gate, fc, gemv), mode)
-        self.tree_in = compile_fn("tree_in", (an.eps, an.zero_centered, sizes, cfg.use_gate), mode)
+        self.tree_in = compile_fn("tree_in", (an.eps, an.zero_centered, sizes, cfg.use_gate, gemv), mode)
         self.factors = compile_fn("factors", fc, mode)
         I = blk.mlp.gate_proj.weight.shape[0]
         self.post = compile_fn("post", (cfg.norm_eps, cfg.gate_activation, mix.HV, mix.V, mn.eps,

@@ -222,4 +222,6 @@ def test_gemv_quick_cpu(tmp_path):
     assert {r["matmul"] for r in res["rows"]} == set(mats)
     assert all(r["us"] > 0 and (r["N"], r["K"]) == mats[r["matmul"]] for r in res["rows"])
     assert all(r["max_rel_diff"] < 1e-5 for r in res["rows"])  # fp32 on CPU: the same product
-    assert {"linear", "mm_kn", "split", "triton_4_512_w4"} <= {r["variant"] for r in res["rows"]}
+    assert {"linear", "mm_kn", "split", "triton_4_512_w4"} <= {r["variant"] for r in res["rows"] if r["M"] == 1}
+    assert {"linear", "skinny_32_32_128_w4", "skinny_32_64_128_w8"} == {r["variant"] for r in res["rows"]
+                                                                          if r["M"] == 17}

@@ -82,9 +82,9 @@ def test_uncompiled_regions_equal_plain(seed):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_uncompiled_triton_gemv_equals_plain(seed):
-    """gemv="triton": the AR step's single-row matmuls through ops.gemv (verifies keep F.linear)
-    compute the same function: float64 (the reference), and fp32 through the Triton kernel
-    itself under the interpreter."""
+    """gemv="triton": the steps' and verifies' matmuls through ops.skinny_linear compute the same
+    function: float64 (the reference), and fp32 through the Triton kernels themselves (GEMV for
+    the AR step, skinny GEMM for the 6-node verify) under the interpreter."""
     from specla import ops
 
     cfg = tiny_config(seed, num_hidden_layers=2)
@@ -203,7 +203,7 @@ def test_compiled_equals_plain_fp32(tiny_fp32, dynamic_tokens):
 
 @needs_cxx
 def test_compiled_triton_gemv_equals_plain_fp32(tiny_fp32):
-    """Inside compiled regions ops.gemv is one opaque call (here its CPU reference)."""
+    """Inside compiled regions ops.skinny_linear is one opaque call (here its CPU reference)."""
     diff = _compare(tiny_fp32, dict(gemv="triton"), 2, tol=1e-5, capture=(1,))
     assert diff["step"] < 1e-5
 

@@ -192,22 +192,30 @@ def conv_sequence(x, conv_state, weight, bias):
     return conv_ref.conv_sequence(x, conv_state, weight, bias)
 
 
-# the GEMV's tiling (`ops.linear.triton.TILINGS`); `specla bench gemv` times them all
+# tilings of the batch-1 matmul kernels (`ops.linear.triton` TILINGS / SKINNY_TILINGS, all of
+# which `specla bench gemv` times)
 GEMV_TILING = {"block_n": 8, "block_k": 512, "num_warps": 4}
+SKINNY_TILING = {"block_n": 32, "block_k": 128, "num_warps": 4}
 
 
-@torch.library.custom_op("specla::gemv", mutates_args=())
-def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """One row times weightᵀ (a batch-1 step's matmul): the Triton GEMV (`ops.linear`) where
-    Triton runs, the reference elsewhere and for fp64. A custom op, so that inside a compiled
-    region it stays one opaque call (`fused.GEMVS`)."""
-    if not use_triton(x) or x.dtype == torch.float64:
-        return linear_ref.gemv(x, weight)
+@torch.library.custom_op("specla::skinny_linear", mutates_args=())
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] times weightᵀ for the few rows of a batch-1 step: where Triton runs, one row
+    goes to the GEMV kernel and up to SKINNY_MAX_ROWS rows (a verify) to the skinny GEMM
+    (`ops.linear`); more rows (a prefill) to F.linear; the reference elsewhere and for fp64. A
+    custom op, so that inside a compiled region it stays one opaque call (`fused.GEMVS`)."""
     from specla.ops.linear import triton as linear_triton
 
-    return linear_triton.gemv(x, weight, **GEMV_TILING)
+    rows = x.numel() // max(x.shape[-1], 1)
+    if not use_triton(x) or x.dtype == torch.float64:
+        return linear_ref.skinny(x, weight)
+    if rows == 1:
+        return linear_triton.gemv(x, weight, **GEMV_TILING)
+    if rows <= linear_triton.SKINNY_MAX_ROWS and x.shape[-1] >= 16:
+        return linear_triton.skinny(x, weight, **SKINNY_TILING)
+    return torch.nn.functional.linear(x, weight)
 
 
-@gemv.register_fake
-def _gemv_shape(x, weight):
+@skinny_linear.register_fake
+def _skinny_linear_shape(x, weight):
     return x.new_empty(*x.shape[:-1], weight.shape[0])

@@ -24,7 +24,8 @@ POINTERS = {
     "x": "*bf16", "conv_state": "*bf16", "weight": "*bf16", "y": "*bf16",
 }
 ALIGNED = ("n_in",)
-SCALARS = {"scale": "fp32", "n": "i32", "P": "i32", "C": "i32", "n_tiles": "i32", "n_out": "i32", "n_in": "i32"}
+SCALARS = {"scale": "fp32", "n": "i32", "P": "i32", "C": "i32", "n_tiles": "i32", "n_out": "i32", "n_in": "i32",
+           "n_rows": "i32"}
 
 
 def variants(H=8, HV=8, K=256, V=256):
@@ -56,6 +57,9 @@ def variants(H=8, HV=8, K=256, V=256):
     yield "conv_commit", conv._conv_commit_kernel, dict(W=4, WP=4, BC=128), 4
     for BN, BK, warps in linear.TILINGS:
         yield f"gemv BN={BN} BK={BK} w={warps}", linear._gemv_kernel, dict(BN=BN, BK=BK), warps
+    for BM, BN, BK, warps in linear.SKINNY_TILINGS:
+        yield (f"gemv-skinny BM={BM} BN={BN} BK={BK} w={warps}", linear._skinny_kernel,
+               dict(BM=BM, BN=BN, BK=BK, PREC="tf32"), warps)
 
 
 def _gdn_type(arg: str) -> str:
@@ -96,8 +100,10 @@ def main() -> int:
         compiled, info = compile_variant(kernel, consts, warps)
         note = ""
         if name.startswith("gemv"):  # a streaming kernel: its weight loads must be 16 bytes wide
-            narrow = [ld for ld in re.findall(r"ld\.global\S*evict_first\S*", compiled.asm["ptx"])
-                      if ".v4." not in ld]
+            ptx = compiled.asm["ptx"]
+            narrow = [ld for ld in re.findall(r"ld\.global\S*evict_first\S*", ptx) if ".v4." not in ld]
+            narrow += [n for n in re.findall(r"cp\.async\.\w+\.shared\.global \[[^]]*\], \[[^]]*\], (\w+)", ptx)
+                       if int(n, 0) != 16]
             note = f"  narrow weight loads {len(narrow)}"
             failed |= bool(narrow)
         print(f"{name:48s} registers {info['registers']:3d}  spill bytes {info['spill_bytes']}{note}")

@@ -1,4 +1,5 @@
-"""Triton GEMV for one row (an AR or draft step at batch 1): y = x Wᵀ, W [N, K] row-major.
+"""Triton matmuls of a batch-1 decode step, y = x Wᵀ with W [N, K] row-major: the GEMV of
+one row (an AR or draft step) and the skinny GEMM of a few rows (a verify's 2-32 nodes).
 
 cuBLAS reads the 1.3B shape's o_proj and down weights at 31% and 47% of the H200's copy
 bandwidth in a decode step (`specla bench gemv`). Here one program owns BN output rows and
@@ -6,6 +7,11 @@ streams them over K in BK-wide tiles (each row's tile one contiguous read), mult
 a [BN, BK] fp32 accumulator that is reduced once at the end: no split-K pass, and enough
 programs (N / BN) to cover every SM for the narrow matrices. `TILINGS` holds the (BN, BK, warps)
 `specla bench gemv` sweeps; same signature as `naive.gemv`.
+
+`skinny` does the same for up to 32 rows on the tensor cores: one program per BN output rows,
+the BM (16 or 32) input rows padded with zeros, W's tile read once per K step and multiplied
+against all rows by `tl.dot` (bf16 products are exact in fp32; fp32 inputs use IEEE dots).
+`SKINNY_TILINGS` holds its (BM, BN, BK, warps); same signature as `naive.skinny`.
 """
 
 from __future__ import annotations
@@ -14,6 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+SKINNY_MAX_ROWS = 32
+SKINNY_TILINGS = ((16, 16, 256, 4), (16, 32, 128, 4), (16, 32, 256, 4), (16, 64, 128, 4), (32, 32, 128, 4),
+                  (32, 64, 128, 8))
 TILINGS = ((4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (8, 2048, 8), (16, 256, 4),
            (16, 512, 8), (32, 256, 8))
 
@@ -47,4 +56,42 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, block_n: int = 8, block_k: in
     y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(N, block_n),)](x.contiguous(), weight, y, N, K, BN=block_n,
                                               BK=min(block_k, triton.next_power_of_2(K)), num_warps=num_warps)
+    return y
+
+
+@triton.jit
+def _skinny_kernel(x, weight, y, n_rows, n_out, n_in, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   PREC: tl.constexpr):
+    outs = tl.program_id(0) * BN + tl.arange(0, BN)
+    rows = tl.arange(0, BM)
+    cols = tl.arange(0, BK)
+    mo, mr = outs < n_out, rows < n_rows
+    p_w = weight + outs[:, None].to(tl.int64) * n_in + cols[None, :]
+    p_x = x + rows[:, None] * n_in + cols[None, :]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, n_in, BK):
+        mk = (k0 + cols < n_in)[None, :]
+        xt = tl.load(p_x + k0, mask=mr[:, None] & mk, other=0.0)
+        wt = tl.load(p_w + k0, mask=mo[:, None] & mk, other=0.0, eviction_policy="evict_first")
+        acc = tl.dot(xt, tl.trans(wt), acc, input_precision=PREC)
+    p_y = y + rows[:, None] * n_out + outs[None, :]
+    tl.store(p_y, acc.to(y.dtype.element_ty), mask=mr[:, None] & mo[None, :])
+
+
+def skinny(x: torch.Tensor, weight: torch.Tensor, *, block_m: int | None = None, block_n: int = 32,
+           block_k: int = 128, num_warps: int = 4) -> torch.Tensor:
+    """Same contract as `naive.skinny` for up to SKINNY_MAX_ROWS rows (fp64 is not taken)."""
+    N, K = weight.shape
+    M = x.numel() // K if x.shape[-1] == K else -1
+    if not 1 <= M <= SKINNY_MAX_ROWS or K < 16:
+        raise ValueError(f"skinny takes 1-{SKINNY_MAX_ROWS} rows of K >= 16 values, got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}")
+    BM = block_m or (16 if M <= 16 else 32)
+    if BM < M:
+        raise ValueError(f"block_m={BM} holds fewer than the {M} rows")
+    y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"  # bf16 products are exact either way
+    _skinny_kernel[(triton.cdiv(N, block_n),)](x.contiguous(), weight.contiguous(), y, M, N, K, BM=BM, BN=block_n,
+                                               BK=min(block_k, max(16, triton.next_power_of_2(K))), PREC=prec,
+                                               num_warps=num_warps)
     return y
