@@ -20,11 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
+TILINGS = ((4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (8, 2048, 8), (16, 256, 4),
+           (16, 512, 8), (32, 256, 8))
 SKINNY_MAX_ROWS = 32
 SKINNY_TILINGS = ((16, 16, 256, 4), (16, 32, 128, 4), (16, 32, 256, 4), (16, 64, 128, 4), (32, 32, 128, 4),
                   (32, 64, 128, 8))
-TILINGS = ((4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (8, 2048, 8), (16, 256, 4),
-           (16, 512, 8), (32, 256, 8))
 
 
 @triton.jit  # n_in specialises on divisibility by 16: without it no weight load is vectorised
