@@ -160,8 +160,8 @@ def bench_decode(
     device: str = typer.Option("cuda", help="cuda | cuda:N"),
     profile: bool = typer.Option(False, "--profile", help="Also profile ~5 eager AR steps and 16-node rounds "
                                  "per shape (kernels per step, GPU time, top kernels; plain and fused)."),
-    gemv: str = typer.Option("cublas", help="Fused path only: comma-separated ways to run an AR step's "
-                             "single-row matmuls (cublas | triton), one row per shape and way, same run."),
+    gemv: str = typer.Option("cublas", help="Fused path only: comma-separated ways to run the steps' and "
+                             "verifies' matmuls (cublas | triton), one row per shape and way, same run."),
     out: Path = typer.Option(Path("benchmarks/results")),
 ):
     """AR ms/token (eager and CUDA graphs) and one 16-node speculative round, at named shapes (GPU)."""
@@ -179,7 +179,7 @@ def bench_gemv(
     quick: bool = typer.Option(False, help="One copy each (smoke test; on CPU use --shape tiny)."),
     out: Path = typer.Option(Path("benchmarks/results")),
 ):
-    """The AR step's single-row matmuls through cuBLAS: layouts and padded shapes against the copy bandwidth."""
+    """A batch-1 step's matmuls (1 and 17 rows): cuBLAS, its variants and specla's kernels against the copy bandwidth."""
     from specla.bench.gemv import run
 
     run(shape=shape, device=device, layers=layers, quick=quick, out_dir=out)

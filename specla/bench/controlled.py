@@ -40,12 +40,11 @@ import torch
 
 from specla.acceptance import Acceptance
 from specla.bench.common import RESULTS, copy_bandwidth, write_results
-from specla.bench.decode import _profile_fn, _sync, time_ar_steps, time_rounds
+from specla.bench.decode import _profile_fn, _target, time_ar_steps, time_rounds
 from specla.bench.trees import beam_tree
-from specla.decode import _Reader
+from specla.decode import _Reader, _sync
 from specla.drafters.base import DraftContext
 from specla.drafters.eagle import EagleConfig, EagleDrafter, EagleDrafterModel
-from specla.engine import EagerTarget, GraphTarget
 from specla.fused import env_mode as fused_env_mode
 from specla.shapes import random_model
 
@@ -114,7 +113,7 @@ class ChainRuntime:
         self.L, self.dev = L, dev
         self.drafter = EagleDrafter(dm, model, topk=1, depth=L, graphs=graphs, initial_capacity=capacity)
         self.drafter.reset(1, horizon=max_len)
-        self.target = GraphTarget(model, 1, max_len, L + 1, True) if graphs else EagerTarget(model, 1, max_len)
+        self.target = _target(model, max_len, L + 1, True)
         self.forced = torch.zeros(1, dtype=torch.long, device=dev)
         self.reader = _Reader(dev)  # its pinned buffers are made once, outside the timings
         self.target._accept = forcing(self.target._accept, self.forced)

@@ -24,7 +24,7 @@ import torch
 from specla import ops
 from specla.bench.common import RESULTS, copy_bandwidth, write_results
 from specla.bench.trees import beam_tree
-from specla.decode import Decoder
+from specla.decode import Decoder, _sync
 from specla.drafters.ngram import NgramDrafter
 from specla.engine import EagerTarget, GraphTarget
 from specla.shapes import random_model
@@ -34,11 +34,6 @@ def _prompt(vocab: int, length: int, seed: int = 0) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     base = torch.randint(0, vocab, (length // 4,), generator=g).tolist()
     return base * 4  # repeats give the n-gram drafter something to copy
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def _target(model, max_len: int, budget: int, delayed: bool):
@@ -222,30 +217,30 @@ def run(shapes=("gdn-1.3b-paper", "gdn-1.3b-paper-hybrid"), new_tokens: int = 64
     AR step's single-row matmuls (`fused.GEMVS`), timed in this run."""
     from specla.fused import GEMVS, env_mode
 
+    mode = env_mode()
     dev = torch.device(device)
     if dev.type != "cuda":
         raise ValueError(f"bench decode times CUDA graphs: --device must be a CUDA device, got {device!r}")
     bad = [g for g in gemvs if g not in GEMVS]
-    if bad or not gemvs or (tuple(gemvs) != ("cublas",) and env_mode() is None):
+    if bad or not gemvs or (tuple(gemvs) != ("cublas",) and mode is None):
         raise ValueError(f"--gemv takes {', '.join(GEMVS)} (anything but cublas needs SPECLA_COMPILE), got {gemvs}")
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     with torch.cuda.device(dev):  # copy_bandwidth, streams, Triton launches: the chosen GPU
-        return _run(shapes, new_tokens, prompt_len, rounds, out_dir, quick, profile, dev, tuple(gemvs))
+        return _run(shapes, new_tokens, prompt_len, rounds, out_dir, quick, profile, dev, tuple(gemvs), mode)
 
 
-def _run(shapes, new_tokens, prompt_len, rounds, out_dir, quick, profile, dev, gemvs) -> dict:
+def _run(shapes, new_tokens, prompt_len, rounds, out_dir, quick, profile, dev, gemvs, mode) -> dict:
+    """`mode`: the fused path's (`SPECLA_COMPILE`), or None for the plain path."""
     from rich.console import Console
     from rich.table import Table
-
-    from specla.fused import env_mode
 
     bw = copy_bandwidth()
     rows = []
     for shape, gemv in ((s, g) for s in shapes for g in gemvs):
         model = random_model(shape, device=dev, dtype=torch.bfloat16)
-        if env_mode() is not None:
-            model.fuse(mode=env_mode(), gemv=gemv)
+        if mode is not None:
+            model.fuse(mode=mode, gemv=gemv)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         prompt = _prompt(model.cfg.vocab_size, prompt_len)
         eager = _generate(model, None, False, prompt, new_tokens)
@@ -297,7 +292,7 @@ def _run(shapes, new_tokens, prompt_len, rounds, out_dir, quick, profile, dev, g
     Console().print(table)
     result = {"copy_bandwidth_GBps": bw / 1e9, "new_tokens": new_tokens, "prompt_len": prompt_len,
               "device": str(dev), "rows": rows}
-    name = "decode_fused" if env_mode() else "decode"
+    name = "decode_fused" if mode else "decode"
     write_results(name, result, out_dir)
     plot(result, Path(out_dir) / f"{name}.png")
     return result

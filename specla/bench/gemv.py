@@ -1,4 +1,4 @@
-"""`specla bench gemv`: the AR step's single-row matmuls through cuBLAS, layout and shape variants.
+"""`specla bench gemv`: a batch-1 step's matmuls, cuBLAS's variants and specla's own kernels.
 
 At batch 1 an AR step is ~70% GEMV time (`bench decode --profile`), and cuBLAS reads some of
 the step's weight matrices far below the copy bandwidth (in_proj ~58%, o_proj ~36% on the H200).
@@ -122,7 +122,7 @@ def _print(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"single-row matmuls, {result['shape']} (µs each, one of {result['layers']} weight copies)")
+    t = Table(title=f"batch-1 matmuls, {result['shape']} (µs each, one of {result['layers']} weight copies)")
     for c in ("matmul", "M", "N", "K", "variant", "us", "of copy bandwidth"):
         t.add_column(c)
     for r in result["rows"]:

@@ -204,11 +204,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     goes to the GEMV kernel and up to SKINNY_MAX_ROWS rows (a verify) to the skinny GEMM
     (`ops.linear`); more rows (a prefill) to F.linear; the reference elsewhere and for fp64. A
     custom op, so that inside a compiled region it stays one opaque call (`fused.GEMVS`)."""
+    if not use_triton(x) or x.dtype == torch.float64:
+        return linear_ref.skinny(x, weight)
     from specla.ops.linear import triton as linear_triton
 
     rows = x.numel() // max(x.shape[-1], 1)
-    if not use_triton(x) or x.dtype == torch.float64:
-        return linear_ref.skinny(x, weight)
     if rows == 1:
         return linear_triton.gemv(x, weight, **GEMV_TILING)
     if rows <= linear_triton.SKINNY_MAX_ROWS and x.shape[-1] >= 16:
