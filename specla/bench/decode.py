@@ -291,7 +291,7 @@ def _run(shapes, new_tokens, prompt_len, rounds, out_dir, quick, profile, dev, g
         table.add_row(*[f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols])
     Console().print(table)
     result = {"copy_bandwidth_GBps": bw / 1e9, "new_tokens": new_tokens, "prompt_len": prompt_len,
-              "device": str(dev), "rows": rows}
+              "cuda_device": str(dev), "rows": rows}  # "device" is the GPU's name (write_results)
     name = "decode_fused" if mode else "decode"
     write_results(name, result, out_dir)
     plot(result, Path(out_dir) / f"{name}.png")
