@@ -225,3 +225,12 @@ def test_gemv_quick_cpu(tmp_path):
     assert {"linear", "mm_kn", "split", "triton_4_512_w4"} <= {r["variant"] for r in res["rows"] if r["M"] == 1}
     assert {"linear", "skinny_32_32_128_w4", "skinny_32_64_128_w8"} == {r["variant"] for r in res["rows"]
                                                                           if r["M"] == 17}
+    assert {r["variant"].startswith(("triton", "skinny")) for r in res["rows"] if r["tiling"]} == {True}
+    # one choice per weight shape and kind (tiny's gate_up and LM head share one), among cuBLAS
+    # as the model calls it and the kernels
+    assert sorted((b["kind"], b["N"], b["K"]) for b in data["best"]) == sorted(
+        {(k, *nk) for nk in mats.values() for k in ("gemv", "skinny")})
+    for b in data["best"]:
+        won = [r for r in res["rows"] if (r["N"], r["K"]) == (b["N"], b["K"]) and (r["M"] == 1) == (b["kind"] == "gemv")
+               and (r["variant"] == "linear" or r["tiling"])]
+        assert b["us"] == min(r["us"] for r in won)

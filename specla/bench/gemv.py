@@ -16,7 +16,9 @@ as the model runs it (`F.linear`), and the variants a fix could pick without wri
 Every variant runs over `layers` distinct weight copies inside one CUDA graph (the H200's L2
 holds 50 MB: one matrix replayed alone would be served from it), so a figure is a decode
 step's: µs per matmul, and the fraction of the measured copy bandwidth its weight bytes imply.
-Writes `gemv.json`. On CPU (`quick`): a smoke run of the code path, the times mean nothing.
+Writes `gemv.json`, with `best`: per weight shape and kind the fastest of cuBLAS and specla's
+tilings (`ops.linear.tilings`; `specla/ops/linear/tilings.json` holds the H200's). On CPU
+(`quick`): a smoke run of the code path, the times mean nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from specla.bench.common import RESULTS, copy_bandwidth, write_results
+from specla.ops.linear import tilings
 from specla.shapes import shape_config
 
 
@@ -53,7 +56,8 @@ def _time_us(fn, cuda: bool) -> float:
 
 
 def _variants(cfg, name, N, x, ws, pads, quick: bool, triton_ok: bool) -> dict:
-    """name -> a function computing x Wᵀ for every weight copy, one way each."""
+    """name -> a function computing x Wᵀ for every weight copy, one way each; specla's kernels
+    as (tiling, function)."""
     M = x.shape[0]
     variants = {"linear": (lambda: [F.linear(x, w) for w in ws])}
     if M == 1:
@@ -74,11 +78,13 @@ def _variants(cfg, name, N, x, ws, pads, quick: bool, triton_ok: bool) -> dict:
         if M == 1:
             for bn, bk, warps in linear.TILINGS[:2] if quick else linear.TILINGS:
                 variants[f"triton_{bn}_{bk}_w{warps}"] = (
+                    {"block_n": bn, "block_k": bk, "num_warps": warps},
                     lambda bn=bn, bk=bk, warps=warps: [
                         linear.gemv(x, w, block_n=bn, block_k=bk, num_warps=warps) for w in ws])
         fits = [t for t in linear.SKINNY_TILINGS if t[0] >= M]  # BM holds the rows
         for bm, bn, bk, warps in fits[:2] if quick else fits:
             variants[f"skinny_{bm}_{bn}_{bk}_w{warps}"] = (
+                {"block_n": bn, "block_k": bk, "num_warps": warps},  # block_m follows the row count
                 lambda bm=bm, bn=bn, bk=bk, warps=warps: [
                     linear.skinny(x, w, block_m=bm, block_n=bn, block_k=bk, num_warps=warps) for w in ws])
     return variants
@@ -102,17 +108,18 @@ def run(shape: str = "gdn-1.3b-paper", device: str = "cuda", layers: int = 24, p
             x = torch.randn(M, K, device=dev, dtype=dt, generator=g)
             ref = F.linear(x, ws[0]).float()
             for var, fn in _variants(cfg, name, N, x, ws, pads, quick, triton_ok).items():
+                tiling, fn = fn if isinstance(fn, tuple) else (None, fn)
                 first = fn()[0]  # every variant must compute the model's product (pads: its first N)
                 first = torch.cat(first, -1) if isinstance(first, tuple) else first[..., :N]
                 diff = float((first.float() - ref).abs().max() / ref.abs().max())
                 us = _time_us(fn, cuda) / copies
                 rows.append({"matmul": name, "M": M, "N": N, "K": K, "variant": var, "us": us, "max_rel_diff": diff,
-                             "bandwidth_fraction": N * K * 2 / (us * 1e-6) / bw if bw else None})
+                             "bandwidth_fraction": N * K * 2 / (us * 1e-6) / bw if bw else None, "tiling": tiling})
         del ws
         if cuda:
             torch.cuda.empty_cache()
     result = {"shape": shape, "layers": 1 if quick else layers, "copy_bandwidth_GBps": bw / 1e9 if bw else None,
-              "rows": rows}
+              "rows": rows, "best": tilings.best(rows)}
     _print(result)
     write_results("gemv", result, out_dir)
     return result
@@ -130,3 +137,10 @@ def _print(result: dict) -> None:
         t.add_row(r["matmul"], str(r["M"]), str(r["N"]), str(r["K"]), r["variant"], f"{r['us']:.2f}",
                   "-" if f is None else f"{f:.0%}")
     Console().print(t)
+    b = Table(title="fastest per weight shape (ops.linear.tilings)")
+    for c in ("kind", "matmul", "N", "K", "way", "us", "cuBLAS us"):
+        b.add_column(c)
+    for e in result["best"]:
+        way = "cuBLAS" if e["tiling"] is None else " ".join(f"{k}={v}" for k, v in e["tiling"].items())
+        b.add_row(e["kind"], e["matmul"], str(e["N"]), str(e["K"]), way, f"{e['us']:.2f}", f"{e['cublas_us']:.2f}")
+    Console().print(b)

@@ -36,6 +36,7 @@ import torch
 from specla.ops.conv import naive as conv_ref
 from specla.ops.gdn import naive as gdn_ref
 from specla.ops.linear import naive as linear_ref
+from specla.ops.linear import tilings as linear_tilings
 
 _BACKENDS = ("auto", "torch", "triton")
 _backend = os.environ.get("SPECLA_BACKEND", "auto")
@@ -193,16 +194,20 @@ def conv_sequence(x, conv_state, weight, bias):
 
 
 # tilings of the batch-1 matmul kernels (`ops.linear.triton` TILINGS / SKINNY_TILINGS, all of
-# which `specla bench gemv` times)
+# which `specla bench gemv` times): per weight shape the measured fastest (`ops.linear.tilings`;
+# None there: cuBLAS), else these
 GEMV_TILING = {"block_n": 8, "block_k": 512, "num_warps": 4}
 SKINNY_TILING = {"block_n": 32, "block_k": 128, "num_warps": 4}
+LINEAR_TILINGS = linear_tilings.load()
 
 
 @torch.library.custom_op("specla::skinny_linear", mutates_args=())
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] times weightᵀ for the few rows of a batch-1 step: where Triton runs, one row
     goes to the GEMV kernel and up to SKINNY_MAX_ROWS rows (a verify) to the skinny GEMM
-    (`ops.linear`); more rows (a prefill) to F.linear; the reference elsewhere and for fp64. A
+    (`ops.linear`), each at its shape's measured tiling (`LINEAR_TILINGS`); more rows (a
+    prefill), and shapes where cuBLAS measured faster, to F.linear; the reference elsewhere and
+    for fp64. A
     custom op, so that inside a compiled region it stays one opaque call (`fused.GEMVS`)."""
     if not use_triton(x) or x.dtype == torch.float64:
         return linear_ref.skinny(x, weight)
@@ -210,9 +215,13 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
     rows = x.numel() // max(x.shape[-1], 1)
     if rows == 1:
-        return linear_triton.gemv(x, weight, **GEMV_TILING)
-    if rows <= linear_triton.SKINNY_MAX_ROWS and x.shape[-1] >= 16:
-        return linear_triton.skinny(x, weight, **SKINNY_TILING)
+        tiling = LINEAR_TILINGS.get(("gemv", *weight.shape), GEMV_TILING)
+        if tiling is not None:
+            return linear_triton.gemv(x, weight, **tiling)
+    elif rows <= linear_triton.SKINNY_MAX_ROWS and x.shape[-1] >= 16:
+        tiling = LINEAR_TILINGS.get(("skinny", *weight.shape), SKINNY_TILING)
+        if tiling is not None:
+            return linear_triton.skinny(x, weight, **tiling)
     return torch.nn.functional.linear(x, weight)
 
 

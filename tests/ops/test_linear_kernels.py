@@ -58,3 +58,49 @@ def test_skinny_matches_reference(M, N, K, tiling, seed):
 def test_skinny_rejects_too_many_rows():
     with pytest.raises(ValueError, match="rows"):
         linear_triton.skinny(torch.randn(1, 33, 64), torch.randn(8, 64))
+
+
+def test_best_tilings_pick_the_fastest_of_cublas_and_each_kernel(tmp_path):
+    """`bench gemv` rows -> per (kind, N, K) the fastest way; cuBLAS's variants the model cannot
+    use (another layout) never win; the table loads from a gemv.json or a tilings file."""
+    import json
+
+    from specla.ops.linear import tilings
+
+    t8 = {"block_n": 8, "block_k": 512, "num_warps": 4}
+    t4 = {"block_n": 4, "block_k": 1024, "num_warps": 4}
+    rows = [
+        {"matmul": "o_proj", "M": 1, "N": 64, "K": 32, "variant": "linear", "us": 6.0},
+        {"matmul": "o_proj", "M": 1, "N": 64, "K": 32, "variant": "mm_kn", "us": 1.0},
+        {"matmul": "o_proj", "M": 1, "N": 64, "K": 32, "variant": "triton_8_512_w4", "us": 3.0, "tiling": t8},
+        {"matmul": "o_proj", "M": 1, "N": 64, "K": 32, "variant": "triton_4_1024_w4", "us": 2.0, "tiling": t4},
+        {"matmul": "o_proj", "M": 17, "N": 64, "K": 32, "variant": "linear", "us": 5.0},
+        {"matmul": "o_proj", "M": 17, "N": 64, "K": 32, "variant": "skinny_32_32_128_w4", "us": 7.0, "tiling": t8},
+    ]
+    best = {(b["kind"], b["N"], b["K"]): b for b in tilings.best(rows)}
+    assert best[("gemv", 64, 32)]["tiling"] == t4 and best[("gemv", 64, 32)]["cublas_us"] == 6.0
+    assert best[("skinny", 64, 32)]["tiling"] is None  # cuBLAS was faster
+    (tmp_path / "gemv.json").write_text(json.dumps({"rows": rows}))
+    (tmp_path / "tilings.json").write_text(json.dumps({"best": tilings.best(rows)}))
+    expect = {("gemv", 64, 32): t4, ("skinny", 64, 32): None}
+    assert tilings.load(tmp_path / "gemv.json") == tilings.load(tmp_path / "tilings.json") == expect
+    with pytest.raises(FileNotFoundError, match="SPECLA_LINEAR_TILINGS"):
+        tilings.load(tmp_path / "missing.json")
+
+
+def test_skinny_linear_runs_each_shape_its_measured_way(monkeypatch):
+    """ops.skinny_linear takes a shape's tiling from the table, F.linear where the table says
+    cuBLAS, and the default tiling for shapes the table lacks."""
+    from specla import ops
+
+    calls = []
+    monkeypatch.setattr(linear_triton, "gemv", lambda x, w, **t: calls.append(("gemv", t)) or naive.gemv(x, w))
+    monkeypatch.setattr(linear_triton, "skinny", lambda x, w, **t: calls.append(("skinny", t)) or naive.skinny(x, w))
+    t4 = {"block_n": 4, "block_k": 1024, "num_warps": 4}
+    monkeypatch.setattr(ops, "LINEAR_TILINGS", {("gemv", 8, 32): t4, ("skinny", 8, 32): None})
+    w, w2 = torch.randn(8, 32), torch.randn(9, 32)
+    with ops.backend("triton"):
+        for x, wt in ((torch.randn(1, 32), w), (torch.randn(5, 32), w), (torch.randn(1, 32), w2),
+                      (torch.randn(5, 32), w2)):
+            assert torch.allclose(ops.skinny_linear(x, wt), x @ wt.T, atol=1e-5)
+    assert calls == [("gemv", t4), ("gemv", ops.GEMV_TILING), ("skinny", ops.SKINNY_TILING)]
