@@ -116,7 +116,7 @@ def _gpu_events(prof) -> list[tuple[str, float]]:
     return out
 
 
-def _profile_fn(fn, steps: int, device, top: int = 15) -> dict:
+def _profile_fn(fn, steps: int, device, top: int = 40) -> dict:
     """Profile `steps` calls of fn (CUDA activities): per-step kernel count, GPU time, the `top`
     kernels by time."""
     from torch.profiler import ProfilerActivity, profile

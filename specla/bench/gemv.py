@@ -57,7 +57,7 @@ def _time_us(fn, cuda: bool) -> float:
 
 def _variants(cfg, name, N, x, ws, pads, quick: bool, triton_ok: bool) -> dict:
     """name -> a function computing x Wᵀ for every weight copy, one way each; specla's kernels
-    as (tiling, function)."""
+    as ((kernel, tiling), function)."""
     M = x.shape[0]
     variants = {"linear": (lambda: [F.linear(x, w) for w in ws])}
     if M == 1:
@@ -78,13 +78,13 @@ def _variants(cfg, name, N, x, ws, pads, quick: bool, triton_ok: bool) -> dict:
         if M == 1:
             for bn, bk, warps in linear.TILINGS[:2] if quick else linear.TILINGS:
                 variants[f"triton_{bn}_{bk}_w{warps}"] = (
-                    {"block_n": bn, "block_k": bk, "num_warps": warps},
+                    ("gemv", {"block_n": bn, "block_k": bk, "num_warps": warps}),
                     lambda bn=bn, bk=bk, warps=warps: [
                         linear.gemv(x, w, block_n=bn, block_k=bk, num_warps=warps) for w in ws])
         fits = [t for t in linear.SKINNY_TILINGS if t[0] >= M]  # BM holds the rows
         for bm, bn, bk, warps in fits[:2] if quick else fits:
             variants[f"skinny_{bm}_{bn}_{bk}_w{warps}"] = (
-                {"block_n": bn, "block_k": bk, "num_warps": warps},  # block_m follows the row count
+                ("skinny", {"block_n": bn, "block_k": bk, "num_warps": warps}),  # block_m follows the rows
                 lambda bm=bm, bn=bn, bk=bk, warps=warps: [
                     linear.skinny(x, w, block_m=bm, block_n=bn, block_k=bk, num_warps=warps) for w in ws])
     return variants
@@ -108,13 +108,14 @@ def run(shape: str = "gdn-1.3b-paper", device: str = "cuda", layers: int = 24, p
             x = torch.randn(M, K, device=dev, dtype=dt, generator=g)
             ref = F.linear(x, ws[0]).float()
             for var, fn in _variants(cfg, name, N, x, ws, pads, quick, triton_ok).items():
-                tiling, fn = fn if isinstance(fn, tuple) else (None, fn)
+                (kernel, tiling), fn = fn if isinstance(fn, tuple) else (("cublas", None), fn)
                 first = fn()[0]  # every variant must compute the model's product (pads: its first N)
                 first = torch.cat(first, -1) if isinstance(first, tuple) else first[..., :N]
                 diff = float((first.float() - ref).abs().max() / ref.abs().max())
                 us = _time_us(fn, cuda) / copies
                 rows.append({"matmul": name, "M": M, "N": N, "K": K, "variant": var, "us": us, "max_rel_diff": diff,
-                             "bandwidth_fraction": N * K * 2 / (us * 1e-6) / bw if bw else None, "tiling": tiling})
+                             "bandwidth_fraction": N * K * 2 / (us * 1e-6) / bw if bw else None,
+                             "kernel": kernel, "tiling": tiling})
         del ws
         if cuda:
             torch.cuda.empty_cache()
@@ -141,6 +142,6 @@ def _print(result: dict) -> None:
     for c in ("kind", "matmul", "N", "K", "way", "us", "cuBLAS us"):
         b.add_column(c)
     for e in result["best"]:
-        way = "cuBLAS" if e["tiling"] is None else " ".join(f"{k}={v}" for k, v in e["tiling"].items())
+        way = " ".join([e["kernel"]] + [f"{k}={v}" for k, v in (e["tiling"] or {}).items()])
         b.add_row(e["kind"], e["matmul"], str(e["N"]), str(e["K"]), way, f"{e['us']:.2f}", f"{e['cublas_us']:.2f}")
     Console().print(b)

@@ -194,10 +194,10 @@ def conv_sequence(x, conv_state, weight, bias):
 
 
 # tilings of the batch-1 matmul kernels (`ops.linear.triton` TILINGS / SKINNY_TILINGS, all of
-# which `specla bench gemv` times): per weight shape the measured fastest (`ops.linear.tilings`;
-# None there: cuBLAS), else these
-GEMV_TILING = {"block_n": 8, "block_k": 512, "num_warps": 4}
-SKINNY_TILING = {"block_n": 32, "block_k": 128, "num_warps": 4}
+# which `specla bench gemv` times): per weight shape the measured fastest kernel and tiling
+# (`ops.linear.tilings`), else these
+GEMV_TILING = ("gemv", {"block_n": 8, "block_k": 512, "num_warps": 4})
+SKINNY_TILING = ("skinny", {"block_n": 32, "block_k": 128, "num_warps": 4})
 LINEAR_TILINGS = linear_tilings.load()
 
 
@@ -214,14 +214,15 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     from specla.ops.linear import triton as linear_triton
 
     rows = x.numel() // max(x.shape[-1], 1)
+    kernel, tiling = "cublas", None
     if rows == 1:
-        tiling = LINEAR_TILINGS.get(("gemv", *weight.shape), GEMV_TILING)
-        if tiling is not None:
-            return linear_triton.gemv(x, weight, **tiling)
+        kernel, tiling = LINEAR_TILINGS.get(("gemv", *weight.shape), GEMV_TILING)
     elif rows <= linear_triton.SKINNY_MAX_ROWS and x.shape[-1] >= 16:
-        tiling = LINEAR_TILINGS.get(("skinny", *weight.shape), SKINNY_TILING)
-        if tiling is not None:
-            return linear_triton.skinny(x, weight, **tiling)
+        kernel, tiling = LINEAR_TILINGS.get(("skinny", *weight.shape), SKINNY_TILING)
+    if kernel == "gemv":
+        return linear_triton.gemv(x, weight, **tiling)
+    if kernel == "skinny" and x.shape[-1] >= 16:
+        return linear_triton.skinny(x, weight, **tiling)
     return torch.nn.functional.linear(x, weight)
 
 

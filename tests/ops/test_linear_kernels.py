@@ -72,17 +72,22 @@ def test_best_tilings_pick_the_fastest_of_cublas_and_each_kernel(tmp_path):
     rows = [
         {"matmul": "o_proj", "M": 1, "N": 64, "K": 32, "variant": "linear", "us": 6.0},
         {"matmul": "o_proj", "M": 1, "N": 64, "K": 32, "variant": "mm_kn", "us": 1.0},
-        {"matmul": "o_proj", "M": 1, "N": 64, "K": 32, "variant": "triton_8_512_w4", "us": 3.0, "tiling": t8},
-        {"matmul": "o_proj", "M": 1, "N": 64, "K": 32, "variant": "triton_4_1024_w4", "us": 2.0, "tiling": t4},
+        {"matmul": "o_proj", "M": 1, "N": 64, "K": 32, "variant": "triton_8_512_w4", "us": 3.0, "kernel": "gemv",
+         "tiling": t8},
+        {"matmul": "o_proj", "M": 1, "N": 64, "K": 32, "variant": "skinny_16_32_256_w4", "us": 2.0, "kernel": "skinny",
+         "tiling": t4},
         {"matmul": "o_proj", "M": 17, "N": 64, "K": 32, "variant": "linear", "us": 5.0},
-        {"matmul": "o_proj", "M": 17, "N": 64, "K": 32, "variant": "skinny_32_32_128_w4", "us": 7.0, "tiling": t8},
+        {"matmul": "o_proj", "M": 17, "N": 64, "K": 32, "variant": "skinny_32_32_128_w4", "us": 7.0,
+         "kernel": "skinny", "tiling": t8},
     ]
     best = {(b["kind"], b["N"], b["K"]): b for b in tilings.best(rows)}
-    assert best[("gemv", 64, 32)]["tiling"] == t4 and best[("gemv", 64, 32)]["cublas_us"] == 6.0
-    assert best[("skinny", 64, 32)]["tiling"] is None  # cuBLAS was faster
+    # one row, yet the skinny GEMM won: the table keeps which kernel the tiling belongs to
+    assert (best[("gemv", 64, 32)]["kernel"], best[("gemv", 64, 32)]["tiling"]) == ("skinny", t4)
+    assert best[("gemv", 64, 32)]["cublas_us"] == 6.0
+    assert best[("skinny", 64, 32)]["kernel"] == "cublas"  # cuBLAS was faster
     (tmp_path / "gemv.json").write_text(json.dumps({"rows": rows}))
     (tmp_path / "tilings.json").write_text(json.dumps({"best": tilings.best(rows)}))
-    expect = {("gemv", 64, 32): t4, ("skinny", 64, 32): None}
+    expect = {("gemv", 64, 32): ("skinny", t4), ("skinny", 64, 32): ("cublas", None)}
     assert tilings.load(tmp_path / "gemv.json") == tilings.load(tmp_path / "tilings.json") == expect
     with pytest.raises(FileNotFoundError, match="SPECLA_LINEAR_TILINGS"):
         tilings.load(tmp_path / "missing.json")
@@ -97,10 +102,10 @@ def test_skinny_linear_runs_each_shape_its_measured_way(monkeypatch):
     monkeypatch.setattr(linear_triton, "gemv", lambda x, w, **t: calls.append(("gemv", t)) or naive.gemv(x, w))
     monkeypatch.setattr(linear_triton, "skinny", lambda x, w, **t: calls.append(("skinny", t)) or naive.skinny(x, w))
     t4 = {"block_n": 4, "block_k": 1024, "num_warps": 4}
-    monkeypatch.setattr(ops, "LINEAR_TILINGS", {("gemv", 8, 32): t4, ("skinny", 8, 32): None})
+    monkeypatch.setattr(ops, "LINEAR_TILINGS", {("gemv", 8, 32): ("skinny", t4), ("skinny", 8, 32): ("cublas", None)})
     w, w2 = torch.randn(8, 32), torch.randn(9, 32)
     with ops.backend("triton"):
         for x, wt in ((torch.randn(1, 32), w), (torch.randn(5, 32), w), (torch.randn(1, 32), w2),
                       (torch.randn(5, 32), w2)):
             assert torch.allclose(ops.skinny_linear(x, wt), x @ wt.T, atol=1e-5)
-    assert calls == [("gemv", t4), ("gemv", ops.GEMV_TILING), ("skinny", ops.SKINNY_TILING)]
+    assert calls == [("skinny", t4), ops.GEMV_TILING, ops.SKINNY_TILING]
