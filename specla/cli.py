@@ -193,13 +193,16 @@ def bench_controlled(
     device: str = typer.Option("cuda"),
     compile: Optional[str] = typer.Option(None, "--compile", help="Fuse the target: default | max-autotune "
                                           "(SPECLA_COMPILE=1 does the same)."),
+    gemv: str = typer.Option("cublas", help="Fused target only: how its steps' and verifies' matmuls run "
+                             "(cublas | triton: specla's batch-1 kernels at the measured tilings)."),
     quick: bool = typer.Option(False, help="Few rounds, short prompt (smoke test; on CPU use --shape tiny)."),
     out: Path = typer.Option(Path("benchmarks/results")),
 ):
     """Speedup over AR for acceptance probability p and chain length L, measured costs (SpecLA Fig 12)."""
     from specla.bench.controlled import run
 
-    run(shape=shape, device=device, rounds=rounds, prompt_len=prompt_len, quick=quick, compile=compile, out_dir=out)
+    run(shape=shape, device=device, rounds=rounds, prompt_len=prompt_len, quick=quick, compile=compile, gemv=gemv,
+        out_dir=out)
 
 
 @bench_app.command("agreement")

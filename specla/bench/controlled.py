@@ -194,9 +194,10 @@ class ChainRuntime:
 
 def run(shape: str = "gdn-1.3b-paper", device: str = "cuda", dtype: torch.dtype | None = None,
         ps=PS, lengths=LENGTHS, rounds: int = 90, prompt_len: int = 256, quick: bool = False,
-        compile: str | None = None, dynamic_tokens: bool = True, seed: int = 0, out_dir=RESULTS) -> dict:
+        compile: str | None = None, dynamic_tokens: bool = True, gemv: str = "cublas", seed: int = 0,
+        out_dir=RESULTS) -> dict:
     """The controlled study; `compile` ('default' / 'max-autotune') fuses the target
-    (`Model.fuse`), as does SPECLA_COMPILE. Fused, `dynamic_tokens` compiles one verify graph
+    (`Model.fuse`, its matmuls run the `gemv` way), as does SPECLA_COMPILE. Fused, `dynamic_tokens` compiles one verify graph
     per region for all chain lengths (else one per length: 8 times the compile time)."""
     dev = torch.device(device)
     graphs = dev.type == "cuda"
@@ -207,7 +208,9 @@ def run(shape: str = "gdn-1.3b-paper", device: str = "cuda", dtype: torch.dtype 
     model = random_model(shape, device=dev, dtype=dtype, seed=seed)
     mode = compile or fused_env_mode()
     if mode:
-        model.fuse(mode=mode, dynamic_tokens=dynamic_tokens)
+        model.fuse(mode=mode, dynamic_tokens=dynamic_tokens, gemv=gemv)
+    elif gemv != "cublas":
+        raise ValueError(f"gemv={gemv!r} needs a fused target (--compile or SPECLA_COMPILE)")
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, model.cfg.vocab_size, (prompt_len,), generator=g).tolist()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -252,7 +255,7 @@ def run(shape: str = "gdn-1.3b-paper", device: str = "cuda", dtype: torch.dtype 
             torch.cuda.empty_cache()
     fused = getattr(model, "_fused", None)
     result = {
-        "shape": shape, "dtype": str(dtype).removeprefix("torch."),
+        "shape": shape, "dtype": str(dtype).removeprefix("torch."), "gemv": gemv if mode else None,
         "params": sum(p.numel() for p in model.parameters()),
         "drafter_params": sum(p.numel() for p in dm.parameters()), "graphs": graphs,
         "fused": fused.mode if fused is not None else None,
