@@ -11,14 +11,17 @@ calls through this module instead:
 - per GDN layer, `torch.compile`d pure functions of the layer's tensors, with specla's
   Triton ops called eagerly between them (opaque to the compiler):
 
-      [residual add + attn RMSNorm + in_proj + short conv + silu + l2norm(q|k) + g + beta]   (AR)
+      [residual add + attn RMSNorm + in_proj] -> ops.step_prelude (conv, silu, factors)       (AR)
+      [residual add + attn RMSNorm + in_proj + short conv + silu + l2norm(q|k) + g + beta]   (prefill)
       [residual add + attn RMSNorm + in_proj] -> ops.tree_conv -> [silu'd conv out -> factors]  (verify)
       ops.gdn_sequence / ops.gdn_tree_verify                                   (Triton)
       [gated output norm + o_proj + residual add + MLP RMSNorm + gate|up + SwiGLU + down]
       ... next layer's first region adds the MLP output to the residual ...
       [residual add + final RMSNorm + LM head]
 
-  The MLP output is handed to the next region unsummed, so every residual add fuses into the
+  An AR step's conv and factors are one Triton kernel: Inductor made six small kernels of them
+  (~7.5 us and six launches a layer on the H200), being several reductions over differently
+  shaped slices. The MLP output is handed to the next region unsummed, so every residual add fuses into the
   RMSNorm that reads it. Weights are arguments (not closed over), so one compiled graph
   serves all layers of a shape; the layer's constants (eps, head sizes, dtypes) are closure
   constants. gate_proj and up_proj run as one matmul over a concatenated copy of the two
@@ -493,7 +496,12 @@ class FusedModel:
                 continue
             mix = lay.mix
             cw, cb = lay.conv_args()
-            if parents is None:
+            if parents is None and st.conv is not None and tokens.shape[1] == 1:
+                # an AR step: the conv and the factors are one kernel (Inductor makes six of them)
+                x, xp, z, a, b = lay.tree_in(x, r, blk.attn_norm.weight, mix.in_proj.weight)
+                q, k, v, g, beta = ops.step_prelude(xp, st.conv, cw, cb, a, b, mix.A_log, mix.dt_bias, mix.H,
+                                                    mix.K, bool(mix.cfg.allow_neg_eigval), st.S.dtype)
+            elif parents is None:
                 mark(x, r)
                 x, q, k, v, g, beta, z = lay.seq_pre(x, r, blk.attn_norm.weight, mix.in_proj.weight, st.conv,
                                                      cw, cb, mix.A_log, mix.dt_bias)

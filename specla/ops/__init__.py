@@ -189,6 +189,17 @@ def conv_commit(conv_state, x, path, length):
     return conv_triton.conv_commit(conv_state, x, path, length)
 
 
+def step_prelude(x, conv_state, weight, bias, a, b, A_log, dt_bias, num_heads, head_dim, neg_eigval,
+                 state_dtype=torch.float32):
+    if not use_triton(x) or x.dtype == torch.float64 or state_dtype != torch.float32:
+        return conv_ref.step_prelude(x, conv_state, weight, bias, a, b, A_log, dt_bias, num_heads, head_dim,
+                                     neg_eigval, state_dtype)
+    from specla.ops.conv import triton as conv_triton
+
+    return conv_triton.step_prelude(x, conv_state, weight, bias, a, b, A_log, dt_bias, num_heads, head_dim,
+                                    neg_eigval, state_dtype)
+
+
 def conv_sequence(x, conv_state, weight, bias):
     return conv_ref.conv_sequence(x, conv_state, weight, bias)
 

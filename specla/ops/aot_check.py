@@ -21,7 +21,7 @@ POINTERS = {
     "parents": "*i64", "chain_nodes": "*i32", "chain_len": "*i32", "light": "*i32", "n_chains": "*i32",
     "flags": "*i32",
     "plen": "*i64", "valid": "*i64", "path": "*i64", "length": "*i64",
-    "x": "*bf16", "conv_state": "*bf16", "weight": "*bf16", "y": "*bf16",
+    "x": "*bf16", "conv_state": "*bf16", "weight": "*bf16", "y": "*bf16", "a": "*bf16", "bb": "*bf16",
 }
 ALIGNED = ("n_in",)
 SCALARS = {"scale": "fp32", "n": "i32", "P": "i32", "C": "i32", "n_tiles": "i32", "n_out": "i32", "n_in": "i32",
@@ -55,6 +55,8 @@ def variants(H=8, HV=8, K=256, V=256):
     for NP in (16, 64):
         yield f"tree_conv NP={NP}", conv._tree_conv_kernel, dict(W=4, NP=NP, BC=2048 // NP, HAS_BIAS=False), 4
     yield "conv_commit", conv._conv_commit_kernel, dict(W=4, WP=4, BC=128), 4
+    yield ("step_prelude", conv._step_prelude_kernel,
+           dict(H=H, HV=HV, K=K, V=V, W=4, WP=4, BK=K, BV=V, HAS_BIAS=False, NEG=False), 4)
     for BN, BK, warps in linear.TILINGS:
         yield f"gemv BN={BN} BK={BK} w={warps}", linear._gemv_kernel, dict(BN=BN, BK=BK), warps
     for BM, BN, BK, warps in linear.SKINNY_TILINGS:

@@ -61,3 +61,45 @@ def test_conv_dispatch_and_bf16():
         naive.conv_commit(st_ref, x, torch.tensor([[0, 4, 5]]), torch.tensor([3]))
         ops.conv_commit(st_out, x, torch.tensor([[0, 4, 5]]), torch.tensor([3]))
         assert torch.equal(st_out, st_ref)
+
+
+@HYP
+@given(B=st.sampled_from([1, 2]), H=st.sampled_from([1, 2]), gva=st.sampled_from([1, 2]), K=st.sampled_from([4, 8, 12]),
+       V=st.sampled_from([4, 8, 6]), W=st.sampled_from([2, 3, 4]), bias=st.booleans(), neg=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_step_prelude_matches_reference(B, H, gva, K, V, W, bias, neg, dtype, seed):
+    """An AR step's conv + factors in one kernel (GVA: HV = 2H covered; K, V not powers of two):
+    the fp32 outputs and the advanced conv state equal the reference's."""
+    g = torch.Generator().manual_seed(seed)
+    HV = H * gva
+    C = 2 * H * K + HV * V
+    proj = (torch.randn(B, 1, C + 2 * HV + 5, generator=g) * 2).to(dtype)  # x, a, b: views of one projection
+    x, a, b = proj[..., :C], proj[..., C:C + HV], proj[..., C + HV:C + 2 * HV]
+    conv_state = torch.randn(B, C, W - 1, generator=g).to(dtype)
+    weight = torch.randn(C, W, generator=g).to(dtype)
+    bias_ = torch.randn(C, generator=g).to(dtype) if bias else None
+    A_log, dt_bias = torch.randn(HV, generator=g), torch.randn(HV, generator=g) * 8  # softplus both ways
+    s_ref, s_out = conv_state.clone(), conv_state.clone()
+    ref = naive.step_prelude(x, s_ref, weight, bias_, a, b, A_log, dt_bias, H, K, neg)
+    out = conv_triton.step_prelude(x, s_out, weight, bias_, a, b, A_log, dt_bias, H, K, neg)
+    assert torch.equal(s_out, s_ref)  # the window moved by one token: a copy, no arithmetic
+    for name, o, r in zip(("q", "k", "v", "g", "beta"), out, ref):
+        assert o.shape == r.shape and o.dtype == r.dtype == torch.float32, name
+        if dtype == torch.float32:
+            close(o, r, name)
+        else:  # one bf16 rounding of the conv and of its SiLU: the fp32 sums may round the other way
+            assert (o - r).abs().max() <= 2 ** -6 * r.abs().max().clamp(min=1), name
+
+
+def test_step_prelude_dispatch_takes_the_reference_for_fp64():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 1, 2 * 4 + 2 * 4, generator=g, dtype=torch.float64)
+    st_a, st_b = torch.randn(1, 16, 3, dtype=torch.float64, generator=g), None
+    st_b = st_a.clone()
+    args = (torch.randn(16, 4, dtype=torch.float64, generator=g), None, torch.randn(1, 1, 2, dtype=torch.float64),
+            torch.randn(1, 1, 2, dtype=torch.float64), torch.randn(2), torch.randn(2), 1, 4, False)
+    with ops.backend("triton"):
+        out = ops.step_prelude(x, st_a, *args, state_dtype=torch.float64)
+    ref = naive.step_prelude(x, st_b, *args, state_dtype=torch.float64)
+    assert all(torch.equal(o, r) and o.dtype == torch.float64 for o, r in zip(out, ref))
+    assert torch.equal(st_a, st_b)

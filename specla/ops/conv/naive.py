@@ -52,3 +52,37 @@ def conv_sequence(x, conv_state, weight, bias):
     if W > 1:
         conv_state.copy_(hist[:, :, -(W - 1):].to(conv_state.dtype))
     return F.silu(y.transpose(1, 2))
+
+
+
+def step_prelude(x, conv_state, weight, bias, a, b, A_log, dt_bias, num_heads: int, head_dim: int,
+                 neg_eigval: bool, state_dtype=torch.float32):
+    """An AR step's GDN inputs from its projection, one token per row: the short conv over the
+    conv state (advanced in place), SiLU, then the factors (`GatedDeltaNet._factors`).
+
+    x [B, 1, C] pre-conv inputs (C = 2·H·K + HV·V: q, k, v), a, b [B, 1, HV]; returns q, k
+    [B, 1, H, K] (l2-normalised), v [B, 1, HV, V], g and beta [B, 1, HV], in `state_dtype`.
+    The conv accumulates its taps in fp32 (fp64 for fp64 inputs) in tap order and rounds once
+    to x's dtype, as the fused path's sequence region does.
+    """
+    B, T, C = x.shape
+    H, K, HV = num_heads, head_dim, a.shape[-1]
+    if T != 1:
+        raise ValueError(f"step_prelude takes one token per row, got {T}")
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    hist = torch.cat([conv_state.transpose(1, 2).to(x.dtype), x], dim=1)  # [B, W, C], oldest first
+    y = hist[:, 0:1].to(acc) * weight[:, 0].to(acc)
+    for j in range(1, weight.shape[1]):
+        y = y + hist[:, j:j + 1].to(acc) * weight[:, j].to(acc)
+    if bias is not None:
+        y = y + bias.to(acc)
+    xc = F.silu(y.to(x.dtype)).to(state_dtype)
+    conv_state.copy_(hist[:, 1:].transpose(1, 2).to(conv_state.dtype))
+    qk = xc[..., :2 * H * K].reshape(B, 1, 2 * H, K)
+    qk = qk / torch.sqrt(qk.square().sum(-1, keepdim=True) + 1e-6)  # = model.l2norm
+    v = xc[..., 2 * H * K:].reshape(B, 1, HV, -1)
+    g = -A_log.to(state_dtype).exp() * F.softplus(a.to(state_dtype) + dt_bias.to(state_dtype))
+    beta = torch.sigmoid(b.to(state_dtype))
+    if neg_eigval:
+        beta = beta * 2
+    return qk[:, :, :H], qk[:, :, H:], v, g, beta

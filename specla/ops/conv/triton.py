@@ -95,3 +95,83 @@ def conv_commit(conv_state, x, path, length, *, block_c: int = 128):
     _conv_commit_kernel[grid](conv_state, x, path.contiguous(), length.contiguous(), C,
                               path.shape[1], x.stride(0), x.stride(1), W=W1 + 1,
                               WP=triton.next_power_of_2(W1), BC=BC)
+
+
+@triton.jit
+def _conv_step(x, conv_state, weight, bias, b, ch, mc, C, s_xb,
+               W: tl.constexpr, WP: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """silu(conv) of one token's channels ch, rounded through x's dtype as the fused path does;
+    the conv state of those channels shifted by the token."""
+    m = tl.arange(0, WP)
+    p_s = conv_state + (b * C + ch[:, None]).to(tl.int64) * (W - 1) + m[None, :]
+    xv = tl.load(x + b.to(tl.int64) * s_xb + ch, mask=mc, other=0.0)
+    ins = mc[:, None] & (m < W - 1)[None, :]
+    win = tl.load(p_s, mask=ins, other=0.0)
+    win = tl.where((m == W - 1)[None, :], xv[:, None].to(win.dtype), win)  # [BC, WP]: oldest first, x last
+    nxt = tl.load(p_s + 1, mask=mc[:, None] & (m + 1 < W - 1)[None, :], other=0.0)
+    nxt = tl.where((m + 1 == W - 1)[None, :], xv[:, None].to(nxt.dtype), nxt)  # the window one token on
+    w = tl.load(weight + ch[:, None] * W + m[None, :], mask=mc[:, None] & (m < W)[None, :], other=0.0)
+    y = tl.sum(win.to(tl.float32) * w.to(tl.float32), 1)
+    if HAS_BIAS:
+        y += tl.load(bias + ch, mask=mc, other=0.0).to(tl.float32)
+    y = y.to(xv.dtype).to(tl.float32)
+    s = (y / (1.0 + tl.exp(-y))).to(xv.dtype).to(tl.float32)
+    tl.debug_barrier()  # in place: every thread has read the window before any entry is overwritten
+    tl.store(p_s, nxt, mask=ins)
+    return s
+
+
+@triton.jit
+def _step_prelude_kernel(x, conv_state, weight, bias, a, bb, A_log, dt_bias, q, k, v, g, beta, C, s_xb, s_ab, s_bb,
+                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
+                         WP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         NEG: tl.constexpr):
+    head, b = tl.program_id(0), tl.program_id(1)
+    if head < 2 * H:  # a q or k head: conv, then l2-normalised over its K channels
+        o = tl.arange(0, BK)
+        mo = o < K
+        s = _conv_step(x, conv_state, weight, bias, b, head * K + o, mo, C, s_xb, W, WP, HAS_BIAS)
+        s = s / tl.sqrt(tl.sum(s * s) + 1e-6)
+        if head < H:
+            tl.store(q + (b * H + head) * K + o, s, mask=mo)
+        else:
+            tl.store(k + (b * H + head - H) * K + o, s, mask=mo)
+    else:  # a v head, and its decay and write strength
+        hv = head - 2 * H
+        o = tl.arange(0, BV)
+        mo = o < V
+        s = _conv_step(x, conv_state, weight, bias, b, 2 * H * K + hv * V + o, mo, C, s_xb, W, WP, HAS_BIAS)
+        tl.store(v + (b * HV + hv) * V + o, s, mask=mo)
+        z = tl.load(a + b * s_ab + hv).to(tl.float32) + tl.load(dt_bias + hv).to(tl.float32)
+        # torch's softplus (threshold 20); log1p(t) as log(u)·t/(u−1), u = 1 + t, accurate where
+        # t is tiny (libdevice's log1p has no interpreter twin)
+        t = tl.exp(tl.minimum(z, 20.0))
+        u = 1.0 + t
+        sp = tl.where(z > 20.0, z, tl.where(u == 1.0, t, tl.log(u) * (t / tl.where(u == 1.0, 1.0, u - 1.0))))
+        tl.store(g + b * HV + hv, -tl.exp(tl.load(A_log + hv).to(tl.float32)) * sp)
+        bt = tl.sigmoid(tl.load(bb + b * s_bb + hv).to(tl.float32))
+        if NEG:
+            bt = bt * 2.0
+        tl.store(beta + b * HV + hv, bt)
+
+
+def step_prelude(x, conv_state, weight, bias, a, b, A_log, dt_bias, num_heads: int, head_dim: int,
+                 neg_eigval: bool, state_dtype=torch.float32):
+    """Same contract as `naive.step_prelude` (fp32 outputs; the conv state contiguous, updated
+    in place): one launch for the six small kernels Inductor makes of it."""
+    B, T, C = x.shape
+    H, K, HV = num_heads, head_dim, a.shape[-1]
+    V = (C - 2 * H * K) // HV
+    if T != 1 or state_dtype != torch.float32:
+        raise ValueError(f"step_prelude takes one token per row and an fp32 state, got {T} tokens, {state_dtype}")
+    x, a, b = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, a, b))
+    f32 = dict(dtype=torch.float32, device=x.device)
+    q, k = torch.empty(B, 1, H, K, **f32), torch.empty(B, 1, H, K, **f32)
+    v, g, beta = torch.empty(B, 1, HV, V, **f32), torch.empty(B, 1, HV, **f32), torch.empty(B, 1, HV, **f32)
+    W = weight.shape[1]
+    _step_prelude_kernel[(2 * H + HV, B)](
+        x, conv_state, weight.contiguous(), bias if bias is not None else weight, a, b, A_log, dt_bias,
+        q, k, v, g, beta, C, x.stride(0), a.stride(0), b.stride(0), H=H, HV=HV, K=K, V=V, W=W,
+        WP=triton.next_power_of_2(W), BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V),
+        HAS_BIAS=bias is not None, NEG=neg_eigval)
+    return q, k, v, g, beta
