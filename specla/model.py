@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from specla import ops
+from specla.ops.norm.naive import gated as gated_rms_norm  # the GDN output norm
 from specla.config import ATTENTION, ModelConfig
 from specla.state import Cache, GDNLayerState, GDNRecord, KVLayerState
 
@@ -36,15 +37,6 @@ class RMSNorm(nn.Module):
         y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
         w = self.weight.to(y.dtype)
         return (y * (1 + w if self.zero_centered else w)).to(x.dtype)
-
-
-def gated_rms_norm(o: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, eps: float, act: str) -> torch.Tensor:
-    """The GDN output norm: rmsnorm(o) * w * act(z), in o's (fp32/fp64) precision."""
-    y = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + eps) * weight.to(o.dtype)
-    if z is not None:
-        z = z.to(o.dtype)
-        y = y * (torch.sigmoid(z) if act == "sigmoid" else F.silu(z))
-    return y
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ from specla.ops.conv import naive as conv_ref
 from specla.ops.gdn import naive as gdn_ref
 from specla.ops.linear import naive as linear_ref
 from specla.ops.linear import tilings as linear_tilings
+from specla.ops.norm import naive as norm_ref
 
 _BACKENDS = ("auto", "torch", "triton")
 _backend = os.environ.get("SPECLA_BACKEND", "auto")
@@ -187,6 +188,14 @@ def conv_commit(conv_state, x, path, length):
     from specla.ops.conv import triton as conv_triton
 
     return conv_triton.conv_commit(conv_state, x, path, length)
+
+
+def gated_rms_norm(o, z, weight, eps, act, out_dtype):
+    if not use_triton(o) or o.dtype != torch.float32:
+        return norm_ref.gated_rms_norm(o, z, weight, eps, act, out_dtype)
+    from specla.ops.norm import triton as norm_triton
+
+    return norm_triton.gated_rms_norm(o, z, weight, eps, act, out_dtype)
 
 
 def step_prelude(x, conv_state, weight, bias, a, b, A_log, dt_bias, num_heads, head_dim, neg_eigval,

@@ -21,11 +21,11 @@ POINTERS = {
     "parents": "*i64", "chain_nodes": "*i32", "chain_len": "*i32", "light": "*i32", "n_chains": "*i32",
     "flags": "*i32",
     "plen": "*i64", "valid": "*i64", "path": "*i64", "length": "*i64",
-    "x": "*bf16", "conv_state": "*bf16", "weight": "*bf16", "y": "*bf16", "a": "*bf16", "bb": "*bf16",
+    "x": "*bf16", "conv_state": "*bf16", "weight": "*bf16", "y": "*bf16", "a": "*bf16", "bb": "*bf16", "z": "*bf16",
 }
 ALIGNED = ("n_in",)
 SCALARS = {"scale": "fp32", "n": "i32", "P": "i32", "C": "i32", "n_tiles": "i32", "n_out": "i32", "n_in": "i32",
-           "n_rows": "i32"}
+           "n_rows": "i32", "eps": "fp32"}
 
 
 def variants(H=8, HV=8, K=256, V=256):
@@ -33,6 +33,7 @@ def variants(H=8, HV=8, K=256, V=256):
     from specla.ops.conv import triton as conv
     from specla.ops.gdn import commit, parallel, serial
     from specla.ops.linear import triton as linear
+    from specla.ops.norm import triton as norm
 
     for BV, warps in ((8, 1), (8, 2), (8, 4), (16, 4), (16, 8), (32, 8)):
         for tree, hybrid, pending, final in ((False, False, False, False), (False, False, False, True),
@@ -57,6 +58,7 @@ def variants(H=8, HV=8, K=256, V=256):
     yield "conv_commit", conv._conv_commit_kernel, dict(W=4, WP=4, BC=128), 4
     yield ("step_prelude", conv._step_prelude_kernel,
            dict(H=H, HV=HV, K=K, V=V, W=4, WP=4, BK=K, BV=V, HAS_BIAS=False, NEG=False), 4)
+    yield ("gated_rms_norm", norm._gated_rms_norm_kernel, dict(HV=HV, V=V, BV=V, HAS_Z=True, SIGMOID=False), 4)
     for BN, BK, warps in linear.TILINGS:
         yield f"gemv BN={BN} BK={BK} w={warps}", linear._gemv_kernel, dict(BN=BN, BK=BK), warps
     for BM, BN, BK, warps in linear.SKINNY_TILINGS:
