@@ -8,6 +8,7 @@ import math
 import random
 
 import pytest
+import torch
 
 from specla.bench import agreement, controlled
 
@@ -234,3 +235,21 @@ def test_gemv_quick_cpu(tmp_path):
         won = [r for r in res["rows"] if (r["N"], r["K"]) == (b["N"], b["K"]) and (r["M"] == 1) == (b["kind"] == "gemv")
                and (r["variant"] == "linear" or r["tiling"])]
         assert b["us"] == min(r["us"] for r in won)
+
+
+def test_decode_fused_vs_plain_compares_the_two_paths():
+    """bench decode's GPU check of the fused path's kernels, run here on the references (fp32:
+    the same function, so the logits agree to rounding and every argmax matches)."""
+    from specla import ops
+    from specla.bench.decode import _fused_vs_plain
+    from specla.bench.trees import beam_tree
+    from specla.shapes import random_model
+
+    model = random_model("tiny", device="cpu", dtype=torch.float32).fuse(compile=False)
+    fused = model._fused
+    with ops.backend("triton"):  # the fused path's Triton kernels, under the interpreter
+        res = _fused_vs_plain(model, list(range(3, 12)), beam_tree(2, 3, 5))
+    assert model._fused is fused
+    assert set(res) == {"prefill", "ar_step", "verify16"}
+    for r in res.values():
+        assert r["max_rel_diff"] < 1e-4 and r["argmax_agree"] == 1.0

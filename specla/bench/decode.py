@@ -230,6 +230,35 @@ def run(shapes=("gdn-1.3b-paper", "gdn-1.3b-paper-hybrid"), new_tokens: int = 64
         return _run(shapes, new_tokens, prompt_len, rounds, out_dir, quick, profile, dev, tuple(gemvs), mode)
 
 
+@torch.no_grad()
+def _fused_vs_plain(model, prompt, parents) -> dict:
+    """The fused path's kernels on this GPU against the plain path, same weights: logits of the
+    prompt's last position, of one AR step after it and of a verify of `parents` after that,
+    max |difference| over the plain logits' max |value|, and whether their argmaxes agree."""
+    fused = model._fused
+    dev = next(model.parameters()).device
+    tokens = torch.tensor([prompt], device=dev)
+    step = tokens[:, -1:]
+    par = torch.tensor([list(parents)], device=dev)
+    draft = torch.randint(0, model.cfg.vocab_size, par.shape, device=dev,
+                          generator=torch.Generator(device=dev).manual_seed(1))
+    out = {}
+    for name, f in (("plain", None), ("fused", fused)):
+        model._fused = f
+        cache = model.new_cache(1, len(prompt) + 64)
+        pre = model.forward(tokens, cache).logits[:, -1:]
+        ar = model.forward(step, cache).logits
+        ver = model.verify(draft, par, cache).logits
+        out[name] = {"prefill": pre.float(), "ar_step": ar.float(), "verify16": ver.float()}
+    model._fused = fused
+    res = {}
+    for k, ref in out["plain"].items():
+        got = out["fused"][k]
+        res[k] = {"max_rel_diff": float((got - ref).abs().max() / ref.abs().max()),
+                  "argmax_agree": float((got.argmax(-1) == ref.argmax(-1)).float().mean())}
+    return res
+
+
 def _run(shapes, new_tokens, prompt_len, rounds, out_dir, quick, profile, dev, gemvs, mode) -> dict:
     """`mode`: the fused path's (`SPECLA_COMPILE`), or None for the plain path."""
     from rich.console import Console
@@ -273,6 +302,8 @@ def _run(shapes, new_tokens, prompt_len, rounds, out_dir, quick, profile, dev, g
         finally:
             ops.TREE_VERIFIER = old
         row["fused"] = getattr(getattr(model, "_fused", None), "mode", None)
+        if row["fused"] is not None:
+            row["fused_vs_plain"] = _fused_vs_plain(model, prompt, parents)
         if profile:
             t0 = time.perf_counter()
             row["profile"] = _profile_shape(model, prompt, parents)
