@@ -13,7 +13,8 @@ calls through this module instead:
 
       [residual add + attn RMSNorm + in_proj] -> ops.step_prelude (conv, silu, factors)       (AR)
       [residual add + attn RMSNorm + in_proj + short conv + silu + l2norm(q|k) + g + beta]   (prefill)
-      [residual add + attn RMSNorm + in_proj] -> ops.tree_conv -> [silu'd conv out -> factors]  (verify)
+      [residual add + attn RMSNorm + in_proj] -> ops.tree_prelude (tree conv, silu, factors)  (verify)
+        (beyond TREE_PRELUDE_MAX_NODES: ops.tree_conv -> [silu'd conv out -> factors])
       ops.gdn_sequence / ops.gdn_tree_verify -> ops.gated_rms_norm                (Triton)
       [o_proj + residual add + MLP RMSNorm + gate|up + SwiGLU + down]
       ... next layer's first region adds the MLP output to the residual ...
@@ -494,9 +495,13 @@ class FusedModel:
             elif st.conv is not None:
                 mark(x, r)
                 x, xp, z, a, b = lay.tree_in(x, r, blk.attn_norm.weight, mix.in_proj.weight)
-                xc = ops.tree_conv(xp, st.conv, cw, cb, parents)
-                mark(xc, a, b)
-                q, k, v, g, beta = lay.factors(xc, a, b, mix.A_log, mix.dt_bias)
+                if ops.tree_prelude_takes(xp) and st.S.dtype == torch.float32:  # one kernel, as for an AR step
+                    q, k, v, g, beta = ops.tree_prelude(xp, st.conv, cw, cb, parents, a, b, mix.A_log, mix.dt_bias,
+                                                        mix.H, mix.K, bool(mix.cfg.allow_neg_eigval), st.S.dtype)
+                else:
+                    xc = ops.tree_conv(xp, st.conv, cw, cb, parents)
+                    mark(xc, a, b)
+                    q, k, v, g, beta = lay.factors(xc, a, b, mix.A_log, mix.dt_bias)
             else:  # no short conv: nothing is written, the sequence region serves
                 mark(x, r)
                 x, q, k, v, g, beta, z = lay.seq_pre(x, r, blk.attn_norm.weight, mix.in_proj.weight, None,

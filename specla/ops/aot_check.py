@@ -58,6 +58,10 @@ def variants(H=8, HV=8, K=256, V=256):
     yield "conv_commit", conv._conv_commit_kernel, dict(W=4, WP=4, BC=128), 4
     yield ("step_prelude", conv._step_prelude_kernel,
            dict(H=H, HV=HV, K=K, V=V, W=4, WP=4, BK=K, BV=V, HAS_BIAS=False, NEG=False), 4)
+    for NP in (16, 32):
+        yield (f"tree_prelude NP={NP}", conv._tree_prelude_kernel,
+               dict(H=H, HV=HV, K=K, V=V, W=4, NP=NP, BK=K, BV=V, HAS_BIAS=False, NEG=False),
+               conv.tree_prelude_warps(NP))
     yield ("gated_rms_norm", norm._gated_rms_norm_kernel, dict(HV=HV, V=V, BV=V, HAS_Z=True, SIGMOID=False), 4)
     for BN, BK, warps in linear.TILINGS:
         yield f"gemv BN={BN} BK={BK} w={warps}", linear._gemv_kernel, dict(BN=BN, BK=BK), warps

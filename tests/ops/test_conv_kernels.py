@@ -1,5 +1,6 @@
 """Triton short-conv kernels equal their torch references (interpreter on CPU)."""
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -103,3 +104,37 @@ def test_step_prelude_dispatch_takes_the_reference_for_fp64():
     ref = naive.step_prelude(x, st_b, *args, state_dtype=torch.float64)
     assert all(torch.equal(o, r) and o.dtype == torch.float64 for o, r in zip(out, ref))
     assert torch.equal(st_a, st_b)
+
+
+@HYP
+@given(B=st.sampled_from([1, 2]), n=st.integers(1, 32), kinds=st.tuples(st.sampled_from(KINDS), st.sampled_from(KINDS)),
+       H=st.sampled_from([1, 2]), gva=st.sampled_from([1, 2]), K=st.sampled_from([4, 12]), V=st.sampled_from([4, 6]),
+       W=st.sampled_from([2, 4]), bias=st.booleans(), neg=st.booleans(), seed=st.integers(0, 2**16))
+def test_tree_prelude_matches_reference(B, n, kinds, H, gva, K, V, W, bias, neg, seed):
+    """A verify's tree conv + factors in one kernel, on random topologies up to its 32 nodes;
+    the conv state is only read."""
+    g = torch.Generator().manual_seed(seed)
+    HV = H * gva
+    C = 2 * H * K + HV * V
+    par = torch.tensor([parents_of(kinds[i], n, seed + i) for i in range(B)])
+    proj = torch.randn(B, n, C + 2 * HV + 5, generator=g) * 2
+    x, a, b = proj[..., :C], proj[..., C:C + HV], proj[..., C + HV:C + 2 * HV]
+    conv_state = torch.randn(B, C, W - 1, generator=g)
+    weight = torch.randn(C, W, generator=g)
+    bias_ = torch.randn(C, generator=g) if bias else None
+    A_log, dt_bias = torch.randn(HV, generator=g), torch.randn(HV, generator=g) * 8
+    before = conv_state.clone()
+    ref = naive.tree_prelude(x, conv_state, weight, bias_, par, a, b, A_log, dt_bias, H, K, neg)
+    out = conv_triton.tree_prelude(x, conv_state, weight, bias_, par, a, b, A_log, dt_bias, H, K, neg)
+    assert torch.equal(conv_state, before)
+    for name, o, r in zip(("q", "k", "v", "g", "beta"), out, ref):
+        assert o.shape == r.shape and o.dtype == torch.float32, name
+        close(o, r, name)
+
+
+def test_tree_prelude_rejects_more_nodes_than_its_tile():
+    n = conv_triton.TREE_PRELUDE_MAX_NODES + 1
+    with pytest.raises(ValueError, match="nodes"):
+        conv_triton.tree_prelude(torch.randn(1, n, 16), torch.randn(1, 16, 3), torch.randn(16, 4), None,
+                                 torch.arange(-1, n - 1)[None], torch.randn(1, n, 2), torch.randn(1, n, 2),
+                                 torch.randn(2), torch.randn(2), 1, 4, False)

@@ -66,7 +66,7 @@ def step_prelude(x, conv_state, weight, bias, a, b, A_log, dt_bias, num_heads: i
     to x's dtype, as the fused path's sequence region does.
     """
     B, T, C = x.shape
-    H, K, HV = num_heads, head_dim, a.shape[-1]
+    H, K = num_heads, head_dim
     if T != 1:
         raise ValueError(f"step_prelude takes one token per row, got {T}")
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -78,11 +78,25 @@ def step_prelude(x, conv_state, weight, bias, a, b, A_log, dt_bias, num_heads: i
         y = y + bias.to(acc)
     xc = F.silu(y.to(x.dtype)).to(state_dtype)
     conv_state.copy_(hist[:, 1:].transpose(1, 2).to(conv_state.dtype))
-    qk = xc[..., :2 * H * K].reshape(B, 1, 2 * H, K)
+    return _factors(xc, a, b, A_log, dt_bias, H, K, neg_eigval, state_dtype)
+
+
+def tree_prelude(x, conv_state, weight, bias, parents, a, b, A_log, dt_bias, num_heads: int, head_dim: int,
+                 neg_eigval: bool, state_dtype=torch.float32):
+    """A verify's GDN inputs from its projection: `tree_conv` over each node's ancestors (the
+    conv state is only read), then the factors, as `step_prelude` returns them for n nodes."""
+    xc = tree_conv(x, conv_state, weight, bias, parents).to(state_dtype)
+    return _factors(xc, a, b, A_log, dt_bias, num_heads, head_dim, neg_eigval, state_dtype)
+
+
+def _factors(xc, a, b, A_log, dt_bias, H: int, K: int, neg_eigval: bool, sdt):
+    """`GatedDeltaNet._factors` of the conv output xc [B, n, C] (already in sdt)."""
+    B, n, _ = xc.shape
+    qk = xc[..., :2 * H * K].reshape(B, n, 2 * H, K)
     qk = qk / torch.sqrt(qk.square().sum(-1, keepdim=True) + 1e-6)  # = model.l2norm
-    v = xc[..., 2 * H * K:].reshape(B, 1, HV, -1)
-    g = -A_log.to(state_dtype).exp() * F.softplus(a.to(state_dtype) + dt_bias.to(state_dtype))
-    beta = torch.sigmoid(b.to(state_dtype))
+    v = xc[..., 2 * H * K:].reshape(B, n, a.shape[-1], -1)
+    g = -A_log.to(sdt).exp() * F.softplus(a.to(sdt) + dt_bias.to(sdt))
+    beta = torch.sigmoid(b.to(sdt))
     if neg_eigval:
         beta = beta * 2
     return qk[:, :, :H], qk[:, :, H:], v, g, beta

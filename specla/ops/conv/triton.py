@@ -14,11 +14,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _tree_conv_kernel(x, conv_state, weight, bias, parents, y, n, C, s_xb, s_xn,
-                      W: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr):
-    b = tl.program_id(0)
-    ch = tl.program_id(1) * BC + tl.arange(0, BC)
-    mc = ch < C
+def _tree_conv_tile(x, conv_state, weight, bias, parents, b, ch, mc, n, C, s_xb, s_xn,
+                    W: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """silu(conv over each node's ancestors) of channels ch, [NP, BC] fp32 (rows past n are 0)."""
     j = tl.arange(0, NP)
     mj = j < n
     acc = tl.zeros([NP, BC], dtype=tl.float32)
@@ -37,9 +35,19 @@ def _tree_conv_kernel(x, conv_state, weight, bias, parents, y, n, C, s_xb, s_xn,
             a = tl.where(a >= 0, up, a - 1)
     if HAS_BIAS:
         acc += tl.load(bias + ch, mask=mc, other=0.0).to(tl.float32)[None, :]
-    out = acc * tl.sigmoid(acc)
+    return acc * tl.sigmoid(acc)
+
+
+@triton.jit
+def _tree_conv_kernel(x, conv_state, weight, bias, parents, y, n, C, s_xb, s_xn,
+                      W: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr):
+    b = tl.program_id(0)
+    ch = tl.program_id(1) * BC + tl.arange(0, BC)
+    mc = ch < C
+    j = tl.arange(0, NP)
+    out = _tree_conv_tile(x, conv_state, weight, bias, parents, b, ch, mc, n, C, s_xb, s_xn, W, NP, BC, HAS_BIAS)
     tl.store(y + (b * n + j[:, None]).to(tl.int64) * C + ch[None, :], out.to(y.dtype.element_ty),
-             mask=mj[:, None] & mc[None, :])
+             mask=(j < n)[:, None] & mc[None, :])
 
 
 @triton.jit
@@ -122,6 +130,22 @@ def _conv_step(x, conv_state, weight, bias, b, ch, mc, C, s_xb,
 
 
 @triton.jit
+def _gates(av, bv, A_log, dt_bias, hv, NEG: tl.constexpr):
+    """Value head hv's log-decay g = −exp(A_log)·softplus(a + dt_bias) and write strength
+    β = sigmoid(b) (×2 with negative eigenvalues), elementwise over av, bv."""
+    z = av.to(tl.float32) + tl.load(dt_bias + hv).to(tl.float32)
+    # torch's softplus (threshold 20); log1p(t) as log(u)·t/(u−1), u = 1 + t, accurate where t
+    # is tiny (libdevice's log1p has no interpreter twin)
+    t = tl.exp(tl.minimum(z, 20.0))
+    u = 1.0 + t
+    sp = tl.where(z > 20.0, z, tl.where(u == 1.0, t, tl.log(u) * (t / tl.where(u == 1.0, 1.0, u - 1.0))))
+    bt = tl.sigmoid(bv.to(tl.float32))
+    if NEG:
+        bt = bt * 2.0
+    return -tl.exp(tl.load(A_log + hv).to(tl.float32)) * sp, bt
+
+
+@triton.jit
 def _step_prelude_kernel(x, conv_state, weight, bias, a, bb, A_log, dt_bias, q, k, v, g, beta, C, s_xb, s_ab, s_bb,
                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
                          WP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -142,16 +166,8 @@ def _step_prelude_kernel(x, conv_state, weight, bias, a, bb, A_log, dt_bias, q, 
         mo = o < V
         s = _conv_step(x, conv_state, weight, bias, b, 2 * H * K + hv * V + o, mo, C, s_xb, W, WP, HAS_BIAS)
         tl.store(v + (b * HV + hv) * V + o, s, mask=mo)
-        z = tl.load(a + b * s_ab + hv).to(tl.float32) + tl.load(dt_bias + hv).to(tl.float32)
-        # torch's softplus (threshold 20); log1p(t) as log(u)·t/(u−1), u = 1 + t, accurate where
-        # t is tiny (libdevice's log1p has no interpreter twin)
-        t = tl.exp(tl.minimum(z, 20.0))
-        u = 1.0 + t
-        sp = tl.where(z > 20.0, z, tl.where(u == 1.0, t, tl.log(u) * (t / tl.where(u == 1.0, 1.0, u - 1.0))))
-        tl.store(g + b * HV + hv, -tl.exp(tl.load(A_log + hv).to(tl.float32)) * sp)
-        bt = tl.sigmoid(tl.load(bb + b * s_bb + hv).to(tl.float32))
-        if NEG:
-            bt = bt * 2.0
+        gv, bt = _gates(tl.load(a + b * s_ab + hv), tl.load(bb + b * s_bb + hv), A_log, dt_bias, hv, NEG)
+        tl.store(g + b * HV + hv, gv)
         tl.store(beta + b * HV + hv, bt)
 
 
@@ -174,4 +190,72 @@ def step_prelude(x, conv_state, weight, bias, a, b, A_log, dt_bias, num_heads: i
         q, k, v, g, beta, C, x.stride(0), a.stride(0), b.stride(0), H=H, HV=HV, K=K, V=V, W=W,
         WP=triton.next_power_of_2(W), BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V),
         HAS_BIAS=bias is not None, NEG=neg_eigval)
+    return q, k, v, g, beta
+
+
+TREE_PRELUDE_MAX_NODES = 32  # a head's [nodes, K] tile stays in registers
+
+
+def tree_prelude_warps(NP: int) -> int:
+    """Warps for NP (padded) nodes: a [32, 256] head tile spills at 8 warps (aot_check)."""
+    return 4 if NP <= 8 else 8 if NP <= 16 else 16
+
+
+@triton.jit
+def _tree_prelude_kernel(x, conv_state, weight, bias, parents, a, bb, A_log, dt_bias, q, k, v, g, beta, n, C,
+                         s_xb, s_xn, s_ab, s_an, s_bb, s_bn,
+                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
+                         NP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         NEG: tl.constexpr):
+    head, b = tl.program_id(0), tl.program_id(1)
+    j = tl.arange(0, NP)
+    mj = j < n
+    if head < 2 * H:  # a q or k head of every node: tree conv, rounded as tree_conv's output, l2norm
+        o = tl.arange(0, BK)
+        mo = o < K
+        s = _tree_conv_tile(x, conv_state, weight, bias, parents, b, head * K + o, mo, n, C, s_xb, s_xn,
+                            W, NP, BK, HAS_BIAS)
+        s = s.to(x.dtype.element_ty).to(tl.float32)
+        s = s / tl.sqrt(tl.sum(s * s, 1) + 1e-6)[:, None]
+        m = mj[:, None] & mo[None, :]
+        if head < H:
+            tl.store(q + ((b * n + j[:, None]) * H + head).to(tl.int64) * K + o[None, :], s, mask=m)
+        else:
+            tl.store(k + ((b * n + j[:, None]) * H + head - H).to(tl.int64) * K + o[None, :], s, mask=m)
+    else:
+        hv = head - 2 * H
+        o = tl.arange(0, BV)
+        mo = o < V
+        s = _tree_conv_tile(x, conv_state, weight, bias, parents, b, 2 * H * K + hv * V + o, mo, n, C, s_xb, s_xn,
+                            W, NP, BV, HAS_BIAS)
+        s = s.to(x.dtype.element_ty).to(tl.float32)
+        tl.store(v + ((b * n + j[:, None]) * HV + hv).to(tl.int64) * V + o[None, :], s,
+                 mask=mj[:, None] & mo[None, :])
+        gv, bt = _gates(tl.load(a + b * s_ab + j * s_an + hv, mask=mj, other=0.0),
+                        tl.load(bb + b * s_bb + j * s_bn + hv, mask=mj, other=0.0), A_log, dt_bias, hv, NEG)
+        tl.store(g + (b * n + j) * HV + hv, gv, mask=mj)
+        tl.store(beta + (b * n + j) * HV + hv, bt, mask=mj)
+
+
+def tree_prelude(x, conv_state, weight, bias, parents, a, b, A_log, dt_bias, num_heads: int, head_dim: int,
+                 neg_eigval: bool, state_dtype=torch.float32):
+    """Same contract as `naive.tree_prelude` for up to TREE_PRELUDE_MAX_NODES nodes (fp32
+    outputs): the tree conv and the factors in one launch, nothing else written."""
+    B, n, C = x.shape
+    H, K, HV = num_heads, head_dim, a.shape[-1]
+    V = (C - 2 * H * K) // HV
+    if n > TREE_PRELUDE_MAX_NODES or state_dtype != torch.float32:
+        raise ValueError(f"tree_prelude takes up to {TREE_PRELUDE_MAX_NODES} nodes and an fp32 state, "
+                         f"got {n}, {state_dtype}")
+    x, a, b = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, a, b))
+    f32 = dict(dtype=torch.float32, device=x.device)
+    q, k = torch.empty(B, n, H, K, **f32), torch.empty(B, n, H, K, **f32)
+    v, g, beta = torch.empty(B, n, HV, V, **f32), torch.empty(B, n, HV, **f32), torch.empty(B, n, HV, **f32)
+    W = weight.shape[1]
+    _tree_prelude_kernel[(2 * H + HV, B)](
+        x, conv_state.contiguous(), weight.contiguous(), bias if bias is not None else weight, parents.contiguous(),
+        a, b, A_log, dt_bias, q, k, v, g, beta, n, C, x.stride(0), x.stride(1), a.stride(0), a.stride(1),
+        b.stride(0), b.stride(1), H=H, HV=HV, K=K, V=V, W=W, NP=triton.next_power_of_2(n),
+        BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V), HAS_BIAS=bias is not None, NEG=neg_eigval,
+        num_warps=tree_prelude_warps(triton.next_power_of_2(n)))
     return q, k, v, g, beta
