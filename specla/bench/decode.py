@@ -5,8 +5,10 @@ Per shape (random bf16 weights, fp32 state): AR time per token through the decod
 bandwidth; one speculative round on a 16-draft-node beam tree (verify + greedy acceptance +
 settling + commit in one graph, `GraphTarget.round`, plus the host read of its report;
 `round16_ms`; `round16_serial_verify_ms`: the same round with the tree on the serial verifier,
-the dispatch's choice before the parallel one); and whether the graph path emits the same tokens as the eager path (AR and an
-n-gram tree route).
+the dispatch's choice before the parallel one); whether the graph path emits the same tokens
+as the eager path (AR and an n-gram tree route); and, fused, how far the fused path's logits are
+from the plain path's on this GPU, in bf16 and in an fp32 copy of the model (`fused_vs_plain`,
+`fused_vs_plain_fp32`: prefill, AR step, 16-node verify).
 
 `profile=True` (`--profile`) adds, per shape, a torch.profiler view of ~5 eager AR steps and
 ~5 eager 16-node rounds (verify + acceptance + delayed commit): kernels launched per step, GPU
@@ -304,6 +306,10 @@ def _run(shapes, new_tokens, prompt_len, rounds, out_dir, quick, profile, dev, g
         row["fused"] = getattr(getattr(model, "_fused", None), "mode", None)
         if row["fused"] is not None:
             row["fused_vs_plain"] = _fused_vs_plain(model, prompt, parents)
+            # in fp32 the two paths differ by accumulation order only: a kernel bug shows here
+            f32 = random_model(shape, device=dev, dtype=torch.float32).fuse(mode=mode, gemv=gemv)
+            row["fused_vs_plain_fp32"] = _fused_vs_plain(f32, prompt, parents)
+            del f32
         if profile:
             t0 = time.perf_counter()
             row["profile"] = _profile_shape(model, prompt, parents)
