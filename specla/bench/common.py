@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -54,6 +55,20 @@ def bootstrap(stat, n: int, reps: int = 2000, seed: int = 0) -> tuple[float, flo
     rng = random.Random(seed)
     draws = sorted(stat([rng.randrange(n) for _ in range(n)]) for _ in range(reps))
     return draws[int(0.025 * reps)], draws[int(0.975 * reps) - 1]
+
+
+def graph_time_ms(fn, cuda: bool, rep: int = 40) -> float:
+    """Median ms of `fn` replayed from a CUDA graph (captured after two warm-up calls,
+    `graphs.capture`); without CUDA one eager call's wall time (a smoke figure, not a timing)."""
+    if not cuda:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    import triton.testing
+
+    from specla.graphs import capture
+
+    return triton.testing.do_bench(capture(fn).replay, warmup=10, rep=rep, return_mode="median")
 
 
 def copy_bandwidth(nbytes: int = 2 ** 30) -> float:

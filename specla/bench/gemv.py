@@ -28,7 +28,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from specla.bench.common import RESULTS, copy_bandwidth, write_results
+from specla.bench.common import RESULTS, copy_bandwidth, graph_time_ms, write_results
 from specla.ops.linear import tilings
 from specla.shapes import shape_config
 
@@ -39,20 +39,6 @@ def matmuls(cfg) -> dict[str, tuple[int, int]]:
     D, I = cfg.hidden_size, cfg.intermediate_size
     return {"in_proj": (2 * kd + 2 * vd + 2 * hv, D), "o_proj": (D, vd), "gate_up": (2 * I, D),
             "down": (D, I), "lm_head": (cfg.vocab_size, D)}
-
-
-def _time_us(fn, cuda: bool) -> float:
-    if not cuda:
-        import time
-
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e6
-    import triton.testing
-
-    from specla.graphs import capture
-
-    return triton.testing.do_bench(capture(fn).replay, warmup=10, rep=50, return_mode="median") * 1e3
 
 
 def _variants(cfg, name, N, x, ws, pads, quick: bool, triton_ok: bool) -> dict:
@@ -112,7 +98,7 @@ def run(shape: str = "gdn-1.3b-paper", device: str = "cuda", layers: int = 24, p
                 first = fn()[0]  # every variant must compute the model's product (pads: its first N)
                 first = torch.cat(first, -1) if isinstance(first, tuple) else first[..., :N]
                 diff = float((first.float() - ref).abs().max() / ref.abs().max())
-                us = _time_us(fn, cuda) / copies
+                us = graph_time_ms(fn, cuda, rep=50) * 1e3 / copies
                 rows.append({"matmul": name, "M": M, "N": N, "K": K, "variant": var, "us": us, "max_rel_diff": diff,
                              "bandwidth_fraction": N * K * 2 / (us * 1e-6) / bw if bw else None,
                              "kernel": kernel, "tiling": tiling})

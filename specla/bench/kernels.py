@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from specla.bench.common import environment
+from specla.bench.common import environment, graph_time_ms
 from specla.bench.trees import beam_tree, tree_stats
 from specla.graphs import capture as capture_graph
 
@@ -70,14 +70,8 @@ class Bench:
         return self.device.type == "cuda"
 
     def time_ms(self, fn) -> float:
-        """Median ms of `fn` replayed from a CUDA graph (warmed up by `capture_graph`)."""
-        if not self.cuda:
-            t = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t) * 1e3
-        import triton.testing
-
-        return triton.testing.do_bench(capture_graph(fn).replay, warmup=10, rep=40, return_mode="median")
+        """Median ms of `fn` replayed from a CUDA graph (`bench.common.graph_time_ms`)."""
+        return graph_time_ms(fn, self.cuda)
 
     def layer_inputs(self, n: int, seed: int):
         """Per layer: (q, k, v, g, beta, state) with random values of realistic scale."""
