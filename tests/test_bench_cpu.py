@@ -122,6 +122,7 @@ def test_e2e_shards_resume_and_summary(tmp_path, capsys):
         for route in ("chain", "ngram", "ar+exact", "chain+exact"):
             s = res["suites"][suite][route]
             assert s["prompts"] == 3 and s["exact_match_rate"] == 1.0 and s["mean_accepted_length"] >= 1
+            assert s["timed_captures"] == 0  # no CUDA graphs on CPU
             assert s["exact_reference"] == ("ar+exact" if route == "chain+exact" else "ar")
             lo, hi = s["speedup_ci95"]
             assert lo <= s["speedup"] <= hi
@@ -253,3 +254,16 @@ def test_decode_fused_vs_plain_compares_the_two_paths():
     assert set(res) == {"prefill", "ar_step", "verify16"}
     for r in res.values():
         assert r["max_rel_diff"] < 1e-4 and r["argmax_agree"] == 1.0
+
+
+def test_e2e_summary_counts_generations_that_captured_inside_their_timing():
+    from specla.bench import e2e
+
+    def rec(captures, tokens=(1, 2, 3)):
+        return {"seconds": 1.0, "decode_seconds": 0.5, "mean_accepted_length": 2.0, "first_token_match": 1.0,
+                "tokens": list(tokens), "captures": captures}
+
+    records = {"ar": {"a": rec(0), "b": rec(2), "c": rec(0)}, "chain": {"a": rec(1), "b": rec(0), "c": rec(0)}}
+    assert e2e._summarise(records, "chain")["timed_captures"] == 2  # chain's prompt a, AR's prompt b
+    records = {r: {i: rec(0) for i in "abc"} for r in ("ar", "chain")}
+    assert e2e._summarise(records, "chain")["timed_captures"] == 0

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from specla import graphs
 from specla.bench.common import RESULTS, bootstrap, environment, warm_set, write_results
 
 BASE_ROUTES = ("ar", "fla", "chain", "tree", "ngram", "dspark", "ready")
@@ -89,6 +90,8 @@ def _summarise(records: dict, route: str) -> dict:
         "exact_match_rate": sum(exact) / len(exact), "exact_reference": ref_name,
         "tokens_per_second": sum(len(rt[i]["tokens"]) for i in ids) / sum(lat),
         "commits": sorted({rt[i].get("commit") or "unknown" for i in ids}),
+        # generations (this route's or AR's) that captured a CUDA graph inside their timing
+        "timed_captures": sum(bool(r[i].get("captures")) for r in (rt, ar) for i in ids),
     }
     # where outputs that differ from the reference's first differ: [prompt id, token index]
     out["first_divergence"] = [
@@ -209,7 +212,13 @@ def _print(result: dict) -> None:
                       f"{r['decode_speedup']:.3f}",
                       f"{r['mean_accepted_length']:.2f}", "" if ftm is None else f"{ftm:.2f}",
                       f"{100 * r['exact_match_rate']:.1f}% ({r['exact_reference']})")
-    Console(width=140).print(t)
+    console = Console(width=140)
+    console.print(t)
+    for suite, routes in result["suites"].items():
+        for route, r in routes.items():
+            if r.get("timed_captures"):
+                console.print(f"[yellow]{suite} {route}: {r['timed_captures']} timed generations (its or AR's) "
+                              "captured a CUDA graph: their times include it[/yellow]")
 
 
 def run(model_dir=None, suites=SUITES, routes=BASE_ROUTES, limit: int | None = None, fla_limit: int = 160,
@@ -254,11 +263,12 @@ def run(model_dir=None, suites=SUITES, routes=BASE_ROUTES, limit: int | None = N
                 break
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
-            t0 = time.perf_counter()
+            c0, t0 = graphs.captured(), time.perf_counter()
             g = lm.generate(p.turns[0], max_new_tokens=max_new_tokens, **_route_kwargs(route))
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             rec = {"suite": suite, "route": route, "id": p.id, "seconds": time.perf_counter() - t0,
+                   "captures": graphs.captured() - c0,
                    "prefill_seconds": g.prefill_seconds, "decode_seconds": g.decode_seconds, "tokens": g.tokens, "rounds": g.rounds,
                    "mean_accepted_length": g.mean_accepted_length,
                    "first_token_match": g.to_dict()["first_token_match"],

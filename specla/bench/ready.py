@@ -45,6 +45,7 @@ import torch
 from specla.bench.common import RESULTS, bootstrap, warm_set, write_results
 from specla.bench.e2e import bootstrap_ratio
 from specla.graphs import capture as capture_graph
+from specla.graphs import captured as graphs_captured
 
 SUITES = ("mixed", "gsm8k", "humaneval")
 ROWS = ("dspark", "dspark_ft", "ready")
@@ -60,7 +61,12 @@ def _pick(prompts: list, n: int | None) -> list:
 
 
 def _drafter(row: str, path, target, graphs: bool, threshold: float, quick: bool):
-    from specla.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel, load_block_drafter
+    from specla.drafters.dspark import (
+        DSparkConfig,
+        DSparkDrafter,
+        DSparkModel,
+        load_block_drafter,
+    )
     from specla.drafters.ready import ReadyConfig, ReadyDrafter, ReadyModel
 
     if path is None:  # quick smoke without trained drafters: random weights
@@ -82,7 +88,9 @@ def _summary(recs: dict, ar: dict) -> dict:
     secs = sum(recs[i]["seconds"] for i in ids)
     ar_tps = sum(len(ar[i]["tokens"]) for i in ids) / max(sum(ar[i]["seconds"] for i in ids), 1e-12)
     tps = toks / max(secs, 1e-12)
-    out = {"prompts": len(ids), "tokens": toks, "decode_seconds": round(secs, 4), "tps": tps, "speedup": tps / ar_tps}
+    out = {"prompts": len(ids), "tokens": toks, "decode_seconds": round(secs, 4), "tps": tps, "speedup": tps / ar_tps,
+           # generations (this row's or AR's) that captured a CUDA graph inside their timing
+           "timed_captures": sum(bool(r[i].get("captures")) for r in (recs, ar) for i in ids)}
     rounds = [r for i in ids for r in recs[i].get("rounds", [])]  # (drafted, accepted, emitted)
     if rounds:
         out["mean_accepted_length"] = sum(r[2] for r in rounds) / len(rounds)
@@ -208,8 +216,10 @@ def decode_section(lm, drafters: dict, suites, n_prompts, max_new_tokens: int, g
                 if deadline is not None and time.time() > deadline:
                     complete = False
                     break
+                c0 = graphs_captured()
                 res = dec.generate(ids, max_new_tokens)
-                rec = {"suite": suite, "row": row, "id": pid, **_record(res, row != "ar")}
+                rec = {"suite": suite, "row": row, "id": pid, **_record(res, row != "ar"),
+                       "captures": graphs_captured() - c0}
                 done.setdefault(suite, {}).setdefault(row, {})[pid] = rec
                 log.write(json.dumps(rec) + "\n")
                 log.flush()
