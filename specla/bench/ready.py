@@ -42,9 +42,14 @@ from pathlib import Path
 
 import torch
 
-from specla.bench.common import RESULTS, bootstrap, warm_set, write_results
+from specla.bench.common import (
+    RESULTS,
+    bootstrap,
+    graph_time_ms,
+    warm_set,
+    write_results,
+)
 from specla.bench.e2e import bootstrap_ratio
-from specla.graphs import capture as capture_graph
 from specla.graphs import captured as graphs_captured
 
 SUITES = ("mixed", "gsm8k", "humaneval")
@@ -232,9 +237,7 @@ def decode_section(lm, drafters: dict, suites, n_prompts, max_new_tokens: int, g
 def _time(fn, cuda: bool, reps: int) -> float:
     """Median µs of fn: CUDA-graph replay under do_bench on GPU, wall clock elsewhere."""
     if cuda:
-        import triton.testing
-
-        return triton.testing.do_bench(capture_graph(fn).replay, warmup=25, rep=200, return_mode="median") * 1e3
+        return graph_time_ms(fn, True, rep=200) * 1e3
     ts = []
     for _ in range(reps):
         t0 = time.perf_counter()
