@@ -195,14 +195,23 @@ def bench_controlled(
                                           "(SPECLA_COMPILE=1 does the same)."),
     gemv: str = typer.Option("cublas", help="Fused target only: how its steps' and verifies' matmuls run "
                              "(cublas | triton: specla's batch-1 kernels at the measured tilings)."),
+    lengths: str = typer.Option("5,6,7,8,9,10,11,12", help="Comma-separated chain lengths L."),
+    ps: str = typer.Option("0.5,0.6,0.7,0.8,0.9,1.0", "--ps", help="Comma-separated acceptance probabilities p."),
     quick: bool = typer.Option(False, help="Few rounds, short prompt (smoke test; on CPU use --shape tiny)."),
     out: Path = typer.Option(Path("benchmarks/results")),
 ):
     """Speedup over AR for acceptance probability p and chain length L, measured costs (SpecLA Fig 12)."""
     from specla.bench.controlled import run
 
+    try:
+        Ls = tuple(int(x) for x in lengths.split(",") if x.strip())
+        Ps = tuple(float(x) for x in ps.split(",") if x.strip())
+    except ValueError:
+        raise InputError(f"--lengths takes integers and --ps numbers, got {lengths!r} / {ps!r}") from None
+    if not Ls or not Ps or min(Ls) < 1 or not all(0 <= p <= 1 for p in Ps):
+        raise InputError(f"--lengths must be positive and --ps within [0, 1], got {lengths!r} / {ps!r}")
     run(shape=shape, device=device, rounds=rounds, prompt_len=prompt_len, quick=quick, compile=compile, gemv=gemv,
-        out_dir=out)
+        lengths=Ls, ps=Ps, out_dir=out)
 
 
 @bench_app.command("agreement")

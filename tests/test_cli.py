@@ -145,6 +145,8 @@ def test_api_rejects_bad_ids_and_topologies(model_dir):
     (["bench", "e2e", "--routes", "ar,beam"], "unknown route or suite"),
     (["bench", "ready", "--rows", "ready,medusa"], "--rows"),
     (["bench", "rounds", "--warm-routes", "ar,medusa"], "unknown route(s) medusa"),
+    (["bench", "controlled", "--lengths", "0,5"], "--lengths must be positive"),
+    (["bench", "controlled", "--ps", "0.8,x"], "--lengths takes integers and --ps numbers"),
 ])
 def test_bad_cli_options_one_line_error(model_dir, tmp_path, args, msg):
     extra = {"train": ["--target", str(model_dir), "--data", str(tmp_path / "x.npz"), "--out", str(tmp_path / "run")],

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from specla.acceptance import Acceptance
 from specla.bench.common import RESULTS, copy_bandwidth, write_results
@@ -225,7 +226,7 @@ def run(shape: str = "gdn-1.3b-paper", device: str = "cuda", dtype: torch.dtype 
     capacity = 1 << math.ceil(math.log2(prompt_len + grow + max(lengths) + 16))
     max_len = prompt_len + grow + 64
     grid, per_length, profile = [], [], None
-    for L in lengths:
+    for L in tqdm(lengths, desc="controlled study (chain lengths)", unit="L"):
         rt = ChainRuntime(model, dm, L, prompt, max_len, capacity, graphs)
         # compile and capture outside the timings: the rollout has one graph per attention
         # window, and the windows a timed run reaches depend only on how many rounds it runs
