@@ -326,7 +326,14 @@ def _run(shapes, new_tokens, prompt_len, rounds, out_dir, quick, profile, dev, g
         table.add_column(c)
     for r in rows:
         table.add_row(*[f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols])
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    for r in rows:
+        for key in ("fused_vs_plain", "fused_vs_plain_fp32"):
+            if key in r:
+                console.print(f"{r['shape']} ({r['gemv']}) {key}: " + ", ".join(
+                    f"{k} max rel diff {v['max_rel_diff']:.2e}, argmax agree {v['argmax_agree']:.0%}"
+                    for k, v in r[key].items()))
     result = {"copy_bandwidth_GBps": bw / 1e9, "new_tokens": new_tokens, "prompt_len": prompt_len,
               "cuda_device": str(dev), "rows": rows}  # "device" is the GPU's name (write_results)
     name = "decode_fused" if mode else "decode"
