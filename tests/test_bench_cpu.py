@@ -254,6 +254,10 @@ def test_decode_fused_vs_plain_compares_the_two_paths():
     assert set(res) == {"prefill", "ar_step", "verify16"}
     for r in res.values():
         assert r["max_rel_diff"] < 1e-4 and r["argmax_agree"] == 1.0
+    from specla.bench.decode import _check_lines
+
+    (line,) = _check_lines([{"shape": "tiny", "gemv": "cublas", "fused_vs_plain_fp32": res}])
+    assert line.startswith("tiny (cublas) fused_vs_plain_fp32: prefill max rel diff") and "argmax agree 100%" in line
 
 
 def test_e2e_summary_counts_generations_that_captured_inside_their_timing():

@@ -328,18 +328,22 @@ def _run(shapes, new_tokens, prompt_len, rounds, out_dir, quick, profile, dev, g
         table.add_row(*[f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols])
     console = Console()
     console.print(table)
-    for r in rows:
-        for key in ("fused_vs_plain", "fused_vs_plain_fp32"):
-            if key in r:
-                console.print(f"{r['shape']} ({r['gemv']}) {key}: " + ", ".join(
-                    f"{k} max rel diff {v['max_rel_diff']:.2e}, argmax agree {v['argmax_agree']:.0%}"
-                    for k, v in r[key].items()))
     result = {"copy_bandwidth_GBps": bw / 1e9, "new_tokens": new_tokens, "prompt_len": prompt_len,
               "cuda_device": str(dev), "rows": rows}  # "device" is the GPU's name (write_results)
     name = "decode_fused" if mode else "decode"
     write_results(name, result, out_dir)
     plot(result, Path(out_dir) / f"{name}.png")
+    for line in _check_lines(rows):
+        console.print(line)
     return result
+
+
+def _check_lines(rows) -> list[str]:
+    """The fused-vs-plain checks of each row, one line per precision."""
+    return [f"{r['shape']} ({r['gemv']}) {key}: " + ", ".join(
+                f"{k} max rel diff {v['max_rel_diff']:.2e}, argmax agree {v['argmax_agree']:.0%}"
+                for k, v in r[key].items())
+            for r in rows for key in ("fused_vs_plain", "fused_vs_plain_fp32") if key in r]
 
 
 def plot(result: dict, path: Path) -> None:
