@@ -20,10 +20,11 @@ calls through this module instead:
       ... next layer's first region adds the MLP output to the residual ...
       [residual add + final RMSNorm + LM head]
 
-  An AR step's conv and factors are one Triton kernel, and so is the gated output norm:
-  Inductor made seven small kernels of the former and two of the latter (several reductions over
-  differently shaped slices; ~10 us and nine launches a layer of a 1.62 ms AR step on the H200). The MLP output is handed to the next region unsummed, so every residual add fuses into the
-  RMSNorm that reads it. Weights are arguments (not closed over), so one compiled graph
+  An AR step's conv and factors are one Triton kernel, so are a verify's (up to 32 nodes), and
+  so is the gated output norm: Inductor made seven small kernels of the former and two of the
+  latter (several reductions over differently shaped slices; ~10 us and nine launches a layer
+  of a 1.62 ms AR step on the H200). The MLP output is handed to the next region unsummed, so
+  every residual add fuses into the RMSNorm that reads it. Weights are arguments (not closed over), so one compiled graph
   serves all layers of a shape; the layer's constants (eps, head sizes, dtypes) are closure
   constants. gate_proj and up_proj run as one matmul over a concatenated copy of the two
   weights (`concat_mlp`; it costs their memory once more).
@@ -484,7 +485,7 @@ class FusedModel:
             mix = lay.mix
             cw, cb = lay.conv_args()
             if parents is None and st.conv is not None and tokens.shape[1] == 1:
-                # an AR step: the conv and the factors are one kernel (Inductor makes six of them)
+                # an AR step: the conv and the factors are one kernel (Inductor made seven of them)
                 x, xp, z, a, b = lay.tree_in(x, r, blk.attn_norm.weight, mix.in_proj.weight)
                 q, k, v, g, beta = ops.step_prelude(xp, st.conv, cw, cb, a, b, mix.A_log, mix.dt_bias, mix.H,
                                                     mix.K, bool(mix.cfg.allow_neg_eigval), st.S.dtype)

@@ -209,13 +209,14 @@ def step_prelude(x, conv_state, weight, bias, a, b, A_log, dt_bias, num_heads, h
                                     neg_eigval, state_dtype)
 
 
-TREE_PRELUDE_MAX_NODES = 32  # = ops.conv.triton's: a head's [nodes, K] tile in registers
-
-
 def tree_prelude_takes(x) -> bool:
     """Whether `tree_prelude` runs as one kernel for these pre-conv inputs (else the fused
     path keeps ops.tree_conv and its compiled factors region)."""
-    return use_triton(x) and x.dtype != torch.float64 and x.shape[1] <= TREE_PRELUDE_MAX_NODES
+    if not use_triton(x) or x.dtype == torch.float64:
+        return False
+    from specla.ops.conv import triton as conv_triton
+
+    return x.shape[1] <= conv_triton.TREE_PRELUDE_MAX_NODES
 
 
 def tree_prelude(x, conv_state, weight, bias, parents, a, b, A_log, dt_bias, num_heads, head_dim, neg_eigval,
