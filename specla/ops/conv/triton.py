@@ -174,7 +174,7 @@ def _step_prelude_kernel(x, conv_state, weight, bias, a, bb, A_log, dt_bias, q, 
 def step_prelude(x, conv_state, weight, bias, a, b, A_log, dt_bias, num_heads: int, head_dim: int,
                  neg_eigval: bool, state_dtype=torch.float32):
     """Same contract as `naive.step_prelude` (fp32 outputs; the conv state contiguous, updated
-    in place): one launch for the six small kernels Inductor makes of it."""
+    in place): one launch for the seven small kernels Inductor made of it."""
     B, T, C = x.shape
     H, K, HV = num_heads, head_dim, a.shape[-1]
     V = (C - 2 * H * K) // HV
