@@ -64,6 +64,7 @@ import torch
 import torch.nn.functional as F
 
 from specla import ops
+from specla.ops.gdn import naive as gdn_ref
 from specla.state import GDNRecord
 
 ENV = "SPECLA_COMPILE"
@@ -198,24 +199,10 @@ def _rms(x, w, eps: float, zc: bool):
     return (y * (1 + w if zc else w)).to(x.dtype)
 
 
-def _l2norm(x):
-    # = model.l2norm (fla's in-kernel form: eps inside the square root)
-    return x / torch.sqrt(x.square().sum(-1, keepdim=True) + 1e-6)
-
-
-def _make_factors(H, K, HV, V, neg, sdt):
+def _make_factors(H, K, neg, sdt):
     def factors(xc, a, b, A_log, dt_bias):
-        """`GatedDeltaNet._factors`; q and k are l2-normalised together (one reduction)."""
-        B, n, _ = xc.shape
-        xs = xc.to(sdt)
-        qk = _l2norm(xs[..., :2 * H * K].reshape(B, n, 2 * H, K))
-        q, k = qk[:, :, :H], qk[:, :, H:]
-        v = xs[..., 2 * H * K:].reshape(B, n, HV, V)
-        g = -A_log.to(sdt).exp() * F.softplus(a.to(sdt) + dt_bias.to(sdt))
-        beta = torch.sigmoid(b.to(sdt))
-        if neg:
-            beta = beta * 2
-        return q, k, v, g, beta
+        """`ops.gdn.naive.factors` (q and k l2-normalised together: one reduction)."""
+        return gdn_ref.factors(xc.to(sdt), a, b, A_log, dt_bias, H, K, neg, sdt)
     return factors
 
 
@@ -362,7 +349,7 @@ class _Layer:
         sizes = (sum(mix.split[:3]), mix.split[3], mix.split[4], mix.split[5])
         an, mn = blk.attn_norm, blk.mlp_norm
         self.conv = cfg.use_short_conv
-        fc = (mix.H, mix.K, mix.HV, mix.V, bool(cfg.allow_neg_eigval), sdt)
+        fc = (mix.H, mix.K, bool(cfg.allow_neg_eigval), sdt)
         self.seq_pre = compile_fn("seq_pre", (an.eps, an.zero_centered, sizes, self.conv, cfg.conv_size,
                                               cfg.use_gate, fc, gemv), mode)
         self.tree_in = compile_fn("tree_in", (an.eps, an.zero_centered, sizes, cfg.use_gate, gemv), mode)

@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from specla import ops
+from specla.ops.gdn.naive import factors as gdn_factors
 from specla.ops.norm.naive import gated as gated_rms_norm  # the GDN output norm
 from specla.config import ATTENTION, ModelConfig
 from specla.state import Cache, GDNLayerState, GDNRecord, KVLayerState
@@ -37,11 +38,6 @@ class RMSNorm(nn.Module):
         y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
         w = self.weight.to(y.dtype)
         return (y * (1 + w if self.zero_centered else w)).to(x.dtype)
-
-
-def l2norm(x: torch.Tensor) -> torch.Tensor:
-    # fla's in-kernel form: eps inside the square root
-    return x / torch.sqrt(x.square().sum(-1, keepdim=True) + 1e-6)
 
 
 class GatedMLP(nn.Module):
@@ -86,16 +82,8 @@ class GatedDeltaNet(nn.Module):
 
     def _factors(self, xc, a, b, sdt):
         """Conv output -> per-head q, k (l2-normalised), v, log-decay g, beta, in state precision."""
-        B, n, _ = xc.shape
-        q, k, v = torch.split(xc.to(sdt), self.split[:3], dim=-1)
-        q = l2norm(q.reshape(B, n, self.H, self.K))
-        k = l2norm(k.reshape(B, n, self.H, self.K))
-        v = v.reshape(B, n, self.HV, self.V)
-        g = -self.A_log.to(sdt).exp() * F.softplus(a.to(sdt) + self.dt_bias.to(sdt))
-        beta = torch.sigmoid(b.to(sdt))
-        if self.cfg.allow_neg_eigval:
-            beta = beta * 2
-        return q, k, v, g, beta
+        return gdn_factors(xc.to(sdt), a, b, self.A_log, self.dt_bias, self.H, self.K,
+                           bool(self.cfg.allow_neg_eigval), sdt)
 
     def _output(self, o, z, dtype):
         B, n = o.shape[:2]

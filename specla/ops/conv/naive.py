@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specla.ops.gdn.naive import factors
 from specla.topology import ancestor_table
 
 
@@ -58,7 +59,7 @@ def conv_sequence(x, conv_state, weight, bias):
 def step_prelude(x, conv_state, weight, bias, a, b, A_log, dt_bias, num_heads: int, head_dim: int,
                  neg_eigval: bool, state_dtype=torch.float32):
     """An AR step's GDN inputs from its projection, one token per row: the short conv over the
-    conv state (advanced in place), SiLU, then the factors (`GatedDeltaNet._factors`).
+    conv state (advanced in place), SiLU, then the factors (`ops.gdn.naive.factors`).
 
     x [B, 1, C] pre-conv inputs (C = 2·H·K + HV·V: q, k, v), a, b [B, 1, HV]; returns q, k
     [B, 1, H, K] (l2-normalised), v [B, 1, HV, V], g and beta [B, 1, HV], in `state_dtype`.
@@ -78,7 +79,7 @@ def step_prelude(x, conv_state, weight, bias, a, b, A_log, dt_bias, num_heads: i
         y = y + bias.to(acc)
     xc = F.silu(y.to(x.dtype)).to(state_dtype)
     conv_state.copy_(hist[:, 1:].transpose(1, 2).to(conv_state.dtype))
-    return _factors(xc, a, b, A_log, dt_bias, H, K, neg_eigval, state_dtype)
+    return factors(xc, a, b, A_log, dt_bias, H, K, neg_eigval, state_dtype)
 
 
 def tree_prelude(x, conv_state, weight, bias, parents, a, b, A_log, dt_bias, num_heads: int, head_dim: int,
@@ -86,17 +87,5 @@ def tree_prelude(x, conv_state, weight, bias, parents, a, b, A_log, dt_bias, num
     """A verify's GDN inputs from its projection: `tree_conv` over each node's ancestors (the
     conv state is only read), then the factors, as `step_prelude` returns them for n nodes."""
     xc = tree_conv(x, conv_state, weight, bias, parents).to(state_dtype)
-    return _factors(xc, a, b, A_log, dt_bias, num_heads, head_dim, neg_eigval, state_dtype)
+    return factors(xc, a, b, A_log, dt_bias, num_heads, head_dim, neg_eigval, state_dtype)
 
-
-def _factors(xc, a, b, A_log, dt_bias, H: int, K: int, neg_eigval: bool, sdt):
-    """`GatedDeltaNet._factors` of the conv output xc [B, n, C] (already in sdt)."""
-    B, n, _ = xc.shape
-    qk = xc[..., :2 * H * K].reshape(B, n, 2 * H, K)
-    qk = qk / torch.sqrt(qk.square().sum(-1, keepdim=True) + 1e-6)  # = model.l2norm
-    v = xc[..., 2 * H * K:].reshape(B, n, a.shape[-1], -1)
-    g = -A_log.to(sdt).exp() * F.softplus(a.to(sdt) + dt_bias.to(sdt))
-    beta = torch.sigmoid(b.to(sdt))
-    if neg_eigval:
-        beta = beta * 2
-    return qk[:, :, :H], qk[:, :, H:], v, g, beta

@@ -11,6 +11,25 @@ signature and is tested against them.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+
+def factors(xc, a, b, A_log, dt_bias, num_heads: int, head_dim: int, neg_eigval: bool, sdt):
+    """The delta rule's inputs from the (SiLU'd) conv output xc [B, n, C] (already in the state
+    precision sdt; C = 2·H·K + HV·V): q, k l2-normalised in fla's in-kernel form (eps inside
+    the square root), v, the log-decay g = −exp(A_log)·softplus(a + dt_bias) and β = sigmoid(b)
+    (×2 with negative eigenvalues). The model, the fused path's compiled regions and the
+    prelude references all compute them here."""
+    B, n, _ = xc.shape
+    H, K = num_heads, head_dim
+    qk = xc[..., :2 * H * K].reshape(B, n, 2 * H, K)
+    qk = qk / torch.sqrt(qk.square().sum(-1, keepdim=True) + 1e-6)
+    v = xc[..., 2 * H * K:].reshape(B, n, a.shape[-1], -1)
+    g = -A_log.to(sdt).exp() * F.softplus(a.to(sdt) + dt_bias.to(sdt))
+    beta = torch.sigmoid(b.to(sdt))
+    if neg_eigval:
+        beta = beta * 2
+    return qk[:, :, :H], qk[:, :, H:], v, g, beta
 
 
 def _expand_heads(x: torch.Tensor, hv: int) -> torch.Tensor:
