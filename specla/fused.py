@@ -483,7 +483,7 @@ class FusedModel:
             elif st.conv is not None:
                 mark(x, r)
                 x, xp, z, a, b = lay.tree_in(x, r, blk.attn_norm.weight, mix.in_proj.weight)
-                if ops.tree_prelude_takes(xp) and st.S.dtype == torch.float32:  # one kernel, as for an AR step
+                if ops.tree_prelude_takes(xp, st.S.dtype):  # one kernel, as for an AR step
                     q, k, v, g, beta = ops.tree_prelude(xp, st.conv, cw, cb, parents, a, b, mix.A_log, mix.dt_bias,
                                                         mix.H, mix.K, bool(mix.cfg.allow_neg_eigval), st.S.dtype)
                 else:

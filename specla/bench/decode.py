@@ -237,8 +237,7 @@ def _fused_vs_plain(model, prompt, parents) -> dict:
     """The fused path's kernels on this GPU against the plain path, same weights: logits of the
     prompt's last position, of one AR step after it and of a verify of `parents` after that,
     max |difference| over the plain logits' max |value|, and whether their argmaxes agree."""
-    fused = model._fused
-    dev = next(model.parameters()).device
+    fused, dev = model._fused, model.device
     tokens = torch.tensor([prompt], device=dev)
     step = tokens[:, -1:]
     par = torch.tensor([list(parents)], device=dev)

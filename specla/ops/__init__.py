@@ -209,10 +209,10 @@ def step_prelude(x, conv_state, weight, bias, a, b, A_log, dt_bias, num_heads, h
                                     neg_eigval, state_dtype)
 
 
-def tree_prelude_takes(x) -> bool:
-    """Whether `tree_prelude` runs as one kernel for these pre-conv inputs (else the fused
-    path keeps ops.tree_conv and its compiled factors region)."""
-    if not use_triton(x) or x.dtype == torch.float64:
+def tree_prelude_takes(x, state_dtype) -> bool:
+    """Whether `tree_prelude` runs as one kernel for these pre-conv inputs and state precision
+    (else the fused path keeps ops.tree_conv and its compiled factors region)."""
+    if not use_triton(x) or x.dtype == torch.float64 or state_dtype != torch.float32:
         return False
     from specla.ops.conv import triton as conv_triton
 
@@ -221,7 +221,7 @@ def tree_prelude_takes(x) -> bool:
 
 def tree_prelude(x, conv_state, weight, bias, parents, a, b, A_log, dt_bias, num_heads, head_dim, neg_eigval,
                  state_dtype=torch.float32):
-    if not tree_prelude_takes(x) or state_dtype != torch.float32:
+    if not tree_prelude_takes(x, state_dtype):
         return conv_ref.tree_prelude(x, conv_state, weight, bias, parents, a, b, A_log, dt_bias, num_heads,
                                      head_dim, neg_eigval, state_dtype)
     from specla.ops.conv import triton as conv_triton
