@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from specla import graphs
-from specla.bench.common import RESULTS, bootstrap, environment, warm_set, write_results
+from specla.bench.common import RESULTS, bootstrap, environment, timed_captures, warm_set, write_results
 
 BASE_ROUTES = ("ar", "fla", "chain", "tree", "ngram", "dspark", "ready")
 ROUTES = BASE_ROUTES + tuple(f"{r}+exact" for r in BASE_ROUTES if r != "fla")
@@ -90,8 +90,7 @@ def _summarise(records: dict, route: str) -> dict:
         "exact_match_rate": sum(exact) / len(exact), "exact_reference": ref_name,
         "tokens_per_second": sum(len(rt[i]["tokens"]) for i in ids) / sum(lat),
         "commits": sorted({rt[i].get("commit") or "unknown" for i in ids}),
-        # generations (this route's or AR's) that captured a CUDA graph inside their timing
-        "timed_captures": sum(bool(r[i].get("captures")) for r in (rt, ar) for i in ids),
+        "timed_captures": timed_captures(ids, rt, ar),
     }
     # where outputs that differ from the reference's first differ: [prompt id, token index]
     out["first_divergence"] = [

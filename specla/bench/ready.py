@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from specla.bench.common import RESULTS, bootstrap, graph_time_ms, warm_set, write_results
+from specla.bench.common import RESULTS, bootstrap, graph_time_ms, timed_captures, warm_set, write_results
 from specla.bench.e2e import bootstrap_ratio
 from specla.graphs import captured as graphs_captured
 
@@ -60,12 +60,7 @@ def _pick(prompts: list, n: int | None) -> list:
 
 
 def _drafter(row: str, path, target, graphs: bool, threshold: float, quick: bool):
-    from specla.drafters.dspark import (
-        DSparkConfig,
-        DSparkDrafter,
-        DSparkModel,
-        load_block_drafter,
-    )
+    from specla.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel, load_block_drafter
     from specla.drafters.ready import ReadyConfig, ReadyDrafter, ReadyModel
 
     if path is None:  # quick smoke without trained drafters: random weights
@@ -88,8 +83,7 @@ def _summary(recs: dict, ar: dict) -> dict:
     ar_tps = sum(len(ar[i]["tokens"]) for i in ids) / max(sum(ar[i]["seconds"] for i in ids), 1e-12)
     tps = toks / max(secs, 1e-12)
     out = {"prompts": len(ids), "tokens": toks, "decode_seconds": round(secs, 4), "tps": tps, "speedup": tps / ar_tps,
-           # generations (this row's or AR's) that captured a CUDA graph inside their timing
-           "timed_captures": sum(bool(r[i].get("captures")) for r in (recs, ar) for i in ids)}
+           "timed_captures": timed_captures(ids, recs, ar)}
     rounds = [r for i in ids for r in recs[i].get("rounds", [])]  # (drafted, accepted, emitted)
     if rounds:
         out["mean_accepted_length"] = sum(r[2] for r in rounds) / len(rounds)
