@@ -64,6 +64,7 @@ import torch
 import torch.nn.functional as F
 
 from specla import ops
+from specla.ops.conv import naive as conv_ref
 from specla.ops.gdn import naive as gdn_ref
 from specla.state import GDNRecord
 
@@ -215,7 +216,7 @@ def _linear(x, w, gemv: str):
     return ops.skinny_linear(x, w) if gemv == "triton" else F.linear(x, w)
 
 
-def _make_seq_pre(eps, zc, sizes, conv, W, use_gate, factor_consts, gemv="cublas"):
+def _make_seq_pre(eps, zc, sizes, conv, use_gate, factor_consts, gemv="cublas"):
     factors = _make_factors(*factor_consts)
 
     def seq_pre(x, r, norm_w, in_w, conv_state, conv_w, conv_b, A_log, dt_bias):
@@ -224,18 +225,7 @@ def _make_seq_pre(eps, zc, sizes, conv, W, use_gate, factor_consts, gemv="cublas
             x = x + r
         xp, z, a, b = torch.split(_linear(_rms(x, norm_w, eps, zc), in_w, gemv), sizes, dim=-1)
         if conv:
-            # ops.conv_sequence (a depthwise conv1d), written as W multiply-adds so it fuses;
-            # accumulated in fp32 like cuDNN's conv, rounded once to the activation dtype
-            T = xp.shape[1]
-            acc = torch.float64 if xp.dtype == torch.float64 else torch.float32
-            hist = torch.cat([conv_state.transpose(1, 2).to(xp.dtype), xp], dim=1)  # [B, W-1+T, C]
-            y = hist[:, 0:T].to(acc) * conv_w[:, 0].to(acc)
-            for j in range(1, W):
-                y = y + hist[:, j:j + T].to(acc) * conv_w[:, j].to(acc)
-            if conv_b is not None:
-                y = y + conv_b.to(acc)
-            xc = F.silu(y.to(xp.dtype))
-            conv_state.copy_(hist[:, T:].transpose(1, 2).to(conv_state.dtype))
+            xc = conv_ref.conv_taps(xp, conv_state, conv_w, conv_b)  # multiply-adds: it fuses
         else:
             xc = F.silu(xp)
         q, k, v, g, beta = factors(xc, a, b, A_log, dt_bias)
@@ -350,7 +340,7 @@ class _Layer:
         an, mn = blk.attn_norm, blk.mlp_norm
         self.conv = cfg.use_short_conv
         fc = (mix.H, mix.K, bool(cfg.allow_neg_eigval), sdt)
-        self.seq_pre = compile_fn("seq_pre", (an.eps, an.zero_centered, sizes, self.conv, cfg.conv_size,
+        self.seq_pre = compile_fn("seq_pre", (an.eps, an.zero_centered, sizes, self.conv,
                                               cfg.use_gate, fc, gemv), mode)
         self.tree_in = compile_fn("tree_in", (an.eps, an.zero_centered, sizes, cfg.use_gate, gemv), mode)
         self.factors = compile_fn("factors", fc, mode)

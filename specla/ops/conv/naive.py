@@ -56,6 +56,23 @@ def conv_sequence(x, conv_state, weight, bias):
 
 
 
+def conv_taps(x, conv_state, weight, bias):
+    """`conv_sequence` written as W multiply-adds (so a compiler fuses it), accumulated in fp32
+    (fp64 for fp64 inputs) in tap order like cuDNN's conv and rounded once to x's dtype, then
+    SiLU; the conv state advanced in place. The fused path's sequence region and the step
+    prelude compute the conv this way."""
+    T, W = x.shape[1], weight.shape[1]
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    hist = torch.cat([conv_state.transpose(1, 2).to(x.dtype), x], dim=1)  # [B, W-1+T, C], oldest first
+    y = hist[:, 0:T].to(acc) * weight[:, 0].to(acc)
+    for j in range(1, W):
+        y = y + hist[:, j:j + T].to(acc) * weight[:, j].to(acc)
+    if bias is not None:
+        y = y + bias.to(acc)
+    conv_state.copy_(hist[:, T:].transpose(1, 2).to(conv_state.dtype))
+    return F.silu(y.to(x.dtype))
+
+
 def step_prelude(x, conv_state, weight, bias, a, b, A_log, dt_bias, num_heads: int, head_dim: int,
                  neg_eigval: bool, state_dtype=torch.float32):
     """An AR step's GDN inputs from its projection, one token per row: the short conv over the
@@ -66,20 +83,10 @@ def step_prelude(x, conv_state, weight, bias, a, b, A_log, dt_bias, num_heads: i
     The conv accumulates its taps in fp32 (fp64 for fp64 inputs) in tap order and rounds once
     to x's dtype, as the fused path's sequence region does.
     """
-    B, T, C = x.shape
-    H, K = num_heads, head_dim
-    if T != 1:
-        raise ValueError(f"step_prelude takes one token per row, got {T}")
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    hist = torch.cat([conv_state.transpose(1, 2).to(x.dtype), x], dim=1)  # [B, W, C], oldest first
-    y = hist[:, 0:1].to(acc) * weight[:, 0].to(acc)
-    for j in range(1, weight.shape[1]):
-        y = y + hist[:, j:j + 1].to(acc) * weight[:, j].to(acc)
-    if bias is not None:
-        y = y + bias.to(acc)
-    xc = F.silu(y.to(x.dtype)).to(state_dtype)
-    conv_state.copy_(hist[:, 1:].transpose(1, 2).to(conv_state.dtype))
-    return factors(xc, a, b, A_log, dt_bias, H, K, neg_eigval, state_dtype)
+    if x.shape[1] != 1:
+        raise ValueError(f"step_prelude takes one token per row, got {x.shape[1]}")
+    xc = conv_taps(x, conv_state, weight, bias).to(state_dtype)
+    return factors(xc, a, b, A_log, dt_bias, num_heads, head_dim, neg_eigval, state_dtype)
 
 
 def tree_prelude(x, conv_state, weight, bias, parents, a, b, A_log, dt_bias, num_heads: int, head_dim: int,
