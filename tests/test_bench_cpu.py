@@ -3,6 +3,7 @@ timings mean nothing on CPU, the code paths and result files do)."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import random
@@ -95,6 +96,11 @@ def test_expected_tau(p, L):
     assert controlled.expected_tau(p, L) == pytest.approx(sum(p ** k for k in range(L + 1)))
 
 
+def _record_lines(folder):
+    return [json.loads(x) for f in sorted(folder.glob("e2e.records.*.jsonl*"))
+            for x in (gzip.decompress(f.read_bytes()).decode() if f.suffix == ".gz" else f.read_text()).splitlines()]
+
+
 def test_e2e_shards_resume_and_summary(tmp_path, capsys):
     """Two shards of the demo pair on CPU, one cut short and resumed; the summary of every
     record compares routes on matched prompts, and each route's tokens are AR's."""
@@ -108,6 +114,9 @@ def test_e2e_shards_resume_and_summary(tmp_path, capsys):
     assert (tmp_path / "e2e.records.0of2.jsonl").read_text() == ""
     e2e.run(**kw, shard=(0, 2))
     e2e.run(**kw, shard=(1, 2))
+    shard1 = tmp_path / "e2e.records.1of2.jsonl"  # kept gzipped, as the repository keeps a finished run's
+    (tmp_path / "e2e.records.1of2.jsonl.gz").write_bytes(gzip.compress(shard1.read_bytes()))
+    shard1.unlink()
     capsys.readouterr()
     res = e2e.run(**kw, summary_only=True)
     printed = capsys.readouterr().out
@@ -129,11 +138,11 @@ def test_e2e_shards_resume_and_summary(tmp_path, capsys):
             lo, hi = s["decode_speedup_ci95"]  # the same, prefill excluded
             assert lo <= s["decode_speedup"] <= hi
             ids = {p.id for p in load_suite(suite, limit=3)}
-            recs = [json.loads(x) for f in sorted(tmp_path.glob("e2e.records*.jsonl")) for x in f.read_text().splitlines()]
+            recs = _record_lines(tmp_path)
             dec = {r: sum(x["decode_seconds"] for x in recs if x["suite"] == suite and x["route"] == r
                                    and x["id"] in ids) for r in ("ar", route)}
             assert s["decode_speedup"] == pytest.approx(dec["ar"] / dec[route])
-    lines = [json.loads(x) for f in sorted(tmp_path.glob("e2e.records.*.jsonl")) for x in f.read_text().splitlines()]
+    lines = _record_lines(tmp_path)
     assert len(lines) == 2 * 3 * 5  # suites x prompts x routes, each once
     assert {r["id"] for r in lines if r["suite"] == "gsm8k"} == {p.id for p in load_suite("gsm8k", limit=3)}
 

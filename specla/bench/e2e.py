@@ -13,7 +13,7 @@ exact mode (`docs/exact.md`): its speedup is still over plain `ar` (the fastest 
 output is compared with `ar+exact`'s when that route ran (else with `ar`'s).
 
 Every finished (suite, route, prompt) is appended to a JSONL log next to the results, so a
-call that runs out of time resumes where it stopped. Prompts run in index order across suites
+call that runs out of time resumes where it stopped (from gzipped logs too). Prompts run in index order across suites
 (prompt i of every suite, every route, before prompt i + 1), so a partial run compares the
 routes on the same prompts; `shard` splits the indices between processes (one per GPU), and
 the summary reads every shard's log.
@@ -21,6 +21,7 @@ the summary reads every shard's log.
 
 from __future__ import annotations
 
+import gzip
 import json
 import time
 from pathlib import Path
@@ -135,11 +136,13 @@ def plot(result: dict, path: Path) -> None:
 
 
 def _load_records(out_dir: Path, name: str) -> dict:
-    """suite -> route -> prompt id -> record, from every records file of this benchmark
-    (one per shard)."""
+    """suite -> route -> prompt id -> record, from every records file of this benchmark (one
+    per shard; gzipped ones too: a finished run's records are kept in the repository that way,
+    and a later call resumes from them)."""
     records: dict = {}
-    for path in sorted(out_dir.glob(f"{name}.records*.jsonl")):
-        for line in path.read_text().splitlines():
+    for path in sorted(out_dir.glob(f"{name}.records*.jsonl*")):
+        text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+        for line in text.splitlines():
             r = json.loads(line)
             records.setdefault(r["suite"], {}).setdefault(r["route"], {})[r["id"]] = r
     return records
