@@ -165,6 +165,18 @@ def test_ancestor_closure(n, kind, seed):
     assert not m[:, n:].any() and not m[:, :, n:].any()
 
 
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(n=st.integers(1, 40), kind=st.sampled_from(KINDS), seed=st.integers(0, 2**16))
+def test_serial_boundaries(n, kind, seed):
+    """A node is a boundary of the serial pass iff one of its children is not the next node."""
+    par = torch.tensor([parents_of(kind, n, seed), parents_of("random", n, seed + 1)])
+    light = schedule.serial_boundaries(par)
+    for b in range(2):
+        pb = par[b].tolist()
+        want = [int(any(pb[j] == i and j != i + 1 for j in range(n))) for i in range(n)]
+        assert light[b].tolist() == want
+
+
 def test_plan_cache_follows_in_place_writes():
     par = torch.tensor([[-1, 0, 1, 2]])
     plan = schedule.plan_for(par)

@@ -10,6 +10,7 @@ host sync, so the same code runs inside a CUDA-graph capture and the schedule re
   program per V-tile walking every node in index order) when heavy-light chains would not pay
   for their overhead; `hld_schedule(..., fallback=True)` writes that serial pass as the row's
   single "chain", so the choice is data too.
+- `serial_boundaries`: the nodes a serial pass in index order must store a tile for.
 - `plan_for`: a per-parents-tensor cache of the above, so the 24 layers of one verify round
   build the plan once.
 """
@@ -100,6 +101,16 @@ def _heads(parents: torch.Tensor, M: torch.Tensor):
     return ~heavy, size
 
 
+def serial_boundaries(parents: torch.Tensor) -> torch.Tensor:
+    """Int32 [B, n]: 1 where a node has a child that a pass in index order does not visit right
+    after it, so the pass must store the node's tile for that child to restore."""
+    B, n = parents.shape
+    idx = torch.arange(n, device=parents.device)
+    light = torch.zeros(B, n, dtype=torch.int32, device=parents.device)
+    light.scatter_add_(1, parents[:, 1:].long().clamp(min=0), (parents[:, 1:] != idx[:-1]).int())
+    return light.clamp_(max=1)
+
+
 def hld_schedule(parents: torch.Tensor, fallback: bool = False, cost: dict | None = None) -> HybridSchedule:
     """Heavy-light decomposition of every row (ties: the lower node index is heavy).
 
@@ -138,10 +149,7 @@ def hld_schedule(parents: torch.Tensor, fallback: bool = False, cost: dict | Non
         s_nodes[:, 0] = idx.int()
         s_length = torch.zeros(B, n, dtype=torch.int32, device=dev)
         s_length[:, 0] = n
-        # serial pass: node p is a boundary iff a child of p is not processed right after it
-        s_light = torch.zeros(B, n, dtype=torch.int32, device=dev)
-        s_light.scatter_add_(1, par, (parents[:, 1:] != idx[:-1]).int())
-        s_light.clamp_(max=1)
+        s_light = serial_boundaries(parents)
         sel = serial_rows[:, None]
         nodes = torch.where(sel[:, :, None], s_nodes, nodes)
         length = torch.where(sel, s_length, length)
@@ -164,6 +172,7 @@ class Plan:
         self._chain: bool | None = None
         self._closure: dict[int, torch.Tensor] = {}
         self._hld: dict[bool, HybridSchedule] = {}
+        self._boundaries: torch.Tensor | None = None
         self._prefer_serial: bool | None = None
         self._host: torch.Tensor | None = None
 
@@ -198,6 +207,11 @@ class Plan:
         if fallback not in self._hld:
             self._hld[fallback] = hld_schedule(parents, fallback)
         return self._hld[fallback]
+
+    def serial_boundaries(self, parents: torch.Tensor) -> torch.Tensor:
+        if self._boundaries is None:
+            self._boundaries = serial_boundaries(parents)
+        return self._boundaries
 
     def prefer_serial(self, parents: torch.Tensor) -> bool | None:
         """Whether every row is expected faster on the serial verifier; None inside a capture.

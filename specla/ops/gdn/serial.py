@@ -5,6 +5,10 @@ across every node (full K per program, so o = Sᵀq needs no cross-program reduc
 the nodes in topological order. A node whose parent is not the node just processed restores its
 parent's tile from a scratch buffer; only *boundary* nodes — those with a child that is not
 their immediate successor — store their tile there, so a chain materialises no state at all.
+In the serial pass (one program walks every node) a node's parent and boundary flag are read as
+scalars (`schedule.serial_boundaries`, built once per round), not picked out of the topology by
+a reduction, and the tile a node restores is loaded while the node before it computes: the
+parent is an earlier node, whose visit stored the tile.
 
 Per node j, with the parent's tile S resident and γ = exp(g_j):
     u_j = β_j (v_j - γ Sᵀk_j)                (the corrected update the commit consumes)
@@ -30,6 +34,7 @@ import triton
 import triton.language as tl
 
 from specla.ops.gdn.commit import advance_tile, decay_update, pending_args
+from specla.ops.gdn.schedule import plan_for
 
 
 @triton.jit
@@ -75,9 +80,8 @@ def tree_verify_kernel(
     i_h = hv // (HV // H)
 
     idx = tl.arange(0, NP)
-    if TREE:
-        prow = tl.load(parents + b * n + idx, mask=idx < n, other=-1).to(tl.int32)
     if HYBRID:
+        prow = tl.load(parents + b * n + idx, mask=idx < n, other=-1).to(tl.int32)
         L = tl.load(chain_len + b * n + c, mask=c < n, other=0)
         nrow = tl.load(chain_nodes + (b * n + c) * n + idx, mask=idx < L, other=-1)
         lrow = tl.load(light + b * n + idx, mask=idx < n, other=0)
@@ -115,7 +119,12 @@ def tree_verify_kernel(
                              H, HV, K, V, PP, False)
             if tl.load(plen + b) > 0:  # an empty pending buffer leaves the state as it is
                 tl.store(p_S, S, mask=m_S)
-    prev = node * 0 - 1
+    if HYBRID:
+        prev = node * 0 - 1
+    elif TREE:
+        # the serial pass reads node t + 1's parent one node ahead, so the tile it restores can
+        # be loaded while node t computes (module docstring)
+        par_next = tl.load(parents + b * n + 1, mask=L > 1, other=0).to(tl.int32)
     for t in range(0, L):
         cur, c_q, c_k, c_v, c_g, c_b = node, b_q, b_k, b_v, b_g, b_b
         # prefetch the next node's inputs; they do not depend on the state
@@ -130,16 +139,25 @@ def tree_verify_kernel(
         b_g = tl.load(g + p_gb + node * HV, mask=ok, other=0.0).to(tl.float32)
         b_b = tl.load(beta + p_gb + node * HV, mask=ok, other=0.0).to(tl.float32)
 
-        if TREE:
+        if HYBRID:
             par = _pick(prow, idx, cur)
-            if par != prev:  # the tile in registers is not the parent's: restore it
-                if HYBRID:
-                    flag = flags + 1 + ((b * n + par) * HV + hv) * NV + vt
-                    while tl.atomic_add(flag, 0, sem="acquire") == 0:
-                        pass
+            if par != prev:  # the chain's first node: restore its parent's tile once it is ready
+                flag = flags + 1 + ((b * n + par) * HV + hv) * NV + vt
+                while tl.atomic_add(flag, 0, sem="acquire") == 0:
+                    pass
                 tl.debug_barrier()
                 p_src = scratch + ((b * n + par) * HV + hv).to(tl.int64) * K * V + tile
                 S = tl.load(p_src, mask=m_S, other=0.0, cache_modifier=".cg")
+        elif TREE:
+            # node t + 1 restores its parent's tile unless that parent is node t; the parent was
+            # stored at its own visit, by this program, so the load can start now
+            restore = ok & (par_next != cur)
+            if restore:
+                tl.debug_barrier()  # the boundary tiles stored so far are visible to every thread
+            p_src = scratch + ((b * n + par_next) * HV + hv).to(tl.int64) * K * V + tile
+            S_next = tl.load(p_src, mask=m_S & restore, other=0.0, cache_modifier=".cg")
+            par_next = tl.load(parents + b * n + t + 2, mask=t + 2 < L, other=0).to(tl.int32)
+            boundary = tl.load(light + b * n + cur) > 0
 
         # one reduction pass (one cross-warp exchange) gives Sᵀk, Sᵀq and q·k together; the
         # decay is applied to the reduced vectors, not to the tile first
@@ -154,18 +172,19 @@ def tree_verify_kernel(
         if STORE_U:
             tl.store(u + p_out, b_u, mask=mv)
 
-        if TREE:
-            if HYBRID:
-                boundary = _pick(lrow, idx, cur) > 0
-            else:
-                boundary = tl.sum(((prow == cur) & (idx != cur + 1)).to(tl.int32), 0) > 0
+        if HYBRID:
+            if _pick(lrow, idx, cur) > 0:
+                p_dst = scratch + ((b * n + cur) * HV + hv).to(tl.int64) * K * V + tile
+                tl.store(p_dst, S, mask=m_S)
+                tl.debug_barrier()  # every thread's part of the tile is stored before the flag
+                tl.atomic_xchg(flags + 1 + ((b * n + cur) * HV + hv) * NV + vt, 1, sem="release")
+        elif TREE:
             if boundary:
                 p_dst = scratch + ((b * n + cur) * HV + hv).to(tl.int64) * K * V + tile
                 tl.store(p_dst, S, mask=m_S)
-                if HYBRID:
-                    tl.debug_barrier()  # every thread's part of the tile is stored before the flag
-                    tl.atomic_xchg(flags + 1 + ((b * n + cur) * HV + hv) * NV + vt, 1, sem="release")
-        prev = cur
+            S = tl.where(restore, S_next, S)
+        if HYBRID:
+            prev = cur
 
     if WRITE_FINAL:
         tl.store(p_S, S, mask=m_S)
@@ -196,7 +215,12 @@ def launch(q, k, v, g, beta, state, parents, scale, pending, *, grid, tree, hybr
     # boundary tiles, indexed by node id; allocation only: just the boundaries are written
     scratch = torch.empty(B, n, HV, K, V, dtype=torch.float32, device=dev) if tree else o
     pk, pg, pu, plen, P, PP, has_pending = pending_args(pending, dev)
-    sched = (parents,) * 5 if hybrid is None else hybrid
+    if hybrid is not None:
+        sched = hybrid
+    elif tree:
+        sched = (parents, parents, plan_for(parents).serial_boundaries(parents), parents, parents)
+    else:
+        sched = (parents,) * 5
     tree_verify_kernel[grid](
         q, k, v, g.contiguous(), beta.contiguous(), state, o, u, parents, scratch, *sched,
         pk, pg, pu, plen, plen if valid is None else valid, scale, n, P, B * HV * triton.cdiv(V, block_v),
