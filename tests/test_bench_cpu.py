@@ -114,7 +114,17 @@ def test_e2e_shards_resume_and_summary(tmp_path, capsys):
     assert (tmp_path / "e2e.records.0of2.jsonl").read_text() == ""
     e2e.run(**kw, shard=(0, 2))
     e2e.run(**kw, shard=(1, 2))
-    shard1 = tmp_path / "e2e.records.1of2.jsonl"  # kept gzipped, as the repository keeps a finished run's
+    shard1 = tmp_path / "e2e.records.1of2.jsonl"
+    capsys.readouterr()
+    e2e.run(**kw, shard=(1, 2))  # all recorded: summarised without loading or warming anything
+    out = capsys.readouterr()
+    assert "warm-up" not in out.out + out.err
+    kept = [x for x in shard1.read_text().splitlines() if json.loads(x)["route"] != "chain"]
+    shard1.write_text("".join(x + "\n" for x in kept))
+    e2e.run(**kw, shard=(1, 2))  # resumed: only the route with work left warms up
+    out = capsys.readouterr()
+    assert "warm-up chain:" in out.out and "warm-up ar:" not in out.out
+    # kept gzipped, as the repository keeps a finished run's
     (tmp_path / "e2e.records.1of2.jsonl.gz").write_bytes(gzip.compress(shard1.read_bytes()))
     shard1.unlink()
     capsys.readouterr()

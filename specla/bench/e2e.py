@@ -238,18 +238,23 @@ def run(model_dir=None, suites=SUITES, routes=BASE_ROUTES, limit: int | None = N
     if summary_only:
         return summarise(out_dir, name, suites, routes, max_new_tokens, complete=False)
     start = time.time()
-    lm = api.load(model_dir, device=device, dtype=dtype, compile=compile)
-    dev = lm.model.device
     k, n = shard
     log_path = out_dir / (f"{name}.records.jsonl" if n == 1 else f"{name}.records.{k}of{n}.jsonl")
     records = _load_records(out_dir, name)
     todo = [w for w in _work(suites, routes, limit, fla_limit, shard)
             if w[2].id not in records.get(w[1], {}).get(w[3], {})]
-    # compile and autotune kernels, size every buffer and capture graphs outside the timings
+    if not todo:  # everything of this shard is recorded: no model to load, nothing to warm
+        return summarise(out_dir, name, suites, routes, max_new_tokens, complete=n == 1,
+                         extra={"model": str(model_dir or api.DEMO_DIR), "shard": [k, n]})
+    lm = api.load(model_dir, device=device, dtype=dtype, compile=compile)
+    dev = lm.model.device
+    # compile and autotune kernels, size every buffer and capture graphs outside the timings,
+    # for the routes with work left (a resumed run skips, e.g., fla's minutes of autotuning)
     unique = {(suite, p.id): p for _, suite, p, _ in todo}.values()  # each prompt once, not once per route
     warm = warm_set(((len(lm.encode_prompt(p.turns[0])), p.turns[0]) for p in unique), max_new_tokens)
     warm = warm or ["warm up"]
-    for route in tqdm(routes, desc="warm-up (compile, autotune, capture)", unit="route"):
+    pending = {w[3] for w in todo}
+    for route in tqdm([r for r in routes if r in pending], desc="warm-up (compile, autotune, capture)", unit="route"):
         t0 = time.perf_counter()
         for text in warm:
             lm.generate(text, max_new_tokens=max_new_tokens, **_route_kwargs(route))
