@@ -132,6 +132,9 @@ run_step() {
     blocks:*) IFS=: read -r _ a b <<<"$step"; blocks "$a" "$b" ;;
     ablate:*) IFS=: read -r _ mins steps <<<"$step"; ablate "$mins" "$steps" ;;
     bench-ablations:*) IFS=: read -r _ secs n <<<"$step"; bench_ablations "$secs" "$n" ;;
+    diag:*) IFS=: read -r _ name secs args <<<"$step"  # diag:NAME[:SECONDS[:ARG,...]]: benchmarks/diagnostics/NAME.py
+      args=${args//,/ }; timeout "${secs:-300}" python3 "benchmarks/diagnostics/$name.py" ${args//%/,} --out "$STAGE/$name.json" 2>&1 \
+        | tee "$STAGE/diag-$name.log" ;;
     bench:*) IFS=: read -r _ name secs args <<<"$step"  # bench:NAME[:SECONDS[:ARG,ARG,...]]
       args=${args//,/ }; BENCH_TIMEOUT=${secs:-${BENCH_TIMEOUT:-420}} bench "$name" ${args//%/,} ;;
     *) echo "unknown step $step" ;;
