@@ -290,3 +290,17 @@ def test_e2e_summary_counts_generations_that_captured_inside_their_timing():
     assert e2e._summarise(records, "chain")["timed_captures"] == 2  # chain's prompt a, AR's prompt b
     records = {r: {i: rec(0) for i in "abc"} for r in ("ar", "chain")}
     assert e2e._summarise(records, "chain")["timed_captures"] == 0
+
+
+def test_verify_parts_edits_still_match_the_kernel():
+    """The diagnostic's variants are textual edits of parallel.py: each must still apply."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks/diagnostics/verify_parts.py"
+    spec = importlib.util.spec_from_file_location("verify_parts", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    src = mod.PARALLEL_SRC.read_text()
+    for name, edit in mod.PARALLEL_EDITS.items():
+        assert edit is None or (edit[0] in src and edit[0] != edit[1]), name
