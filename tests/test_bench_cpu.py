@@ -304,3 +304,25 @@ def test_verify_parts_edits_still_match_the_kernel():
     src = mod.PARALLEL_SRC.read_text()
     for name, edits in mod.PARALLEL_EDITS.items():
         assert all(src.count(old) == 1 and old != new for old, new in edits), name
+
+
+def test_cost_fit_recovers_the_model_that_made_the_times():
+    """Table 1 rows timed exactly as the cost model predicts give back its constants."""
+    import statistics
+
+    from specla.bench import kernels
+    from specla.bench.trees import beam_tree
+    from specla.ops.gdn import schedule
+
+    truth = {"node": 0.5, "restore": 0.9, "hybrid_fixed": 5.0, "hybrid_node": 0.4}
+    layers, rows = 24, []
+    for topk, depth, nodes in kernels.TABLE1_SHAPES:
+        costs = [schedule._costs(p, schedule.ancestor_closure(p), schedule._heads(p, schedule.ancestor_closure(p))[0],
+                                 truth) for p in (torch.tensor([beam_tree(topk, depth, nodes, seed=s)]) for s in (0, 1))]
+        rows.append({"topk": topk, "depth": depth, "nodes": nodes, "trees": 2,
+                     "serial_ms": statistics.mean(float(c[0]) for c in costs) * layers / 1e3,
+                     "hybrid_ms": statistics.mean(float(c[1]) for c in costs) * layers / 1e3})
+    fit = kernels.cost_fit(rows, layers)
+    for key, want in truth.items():
+        assert fit[key] == pytest.approx(want, rel=1e-5), key
+    assert fit["rms_us"]["serial"] < 1e-5 and fit["current"] == schedule.SERIAL_COST

@@ -4,7 +4,8 @@
     python -m specla.bench.kernels --device cpu --quick  # smoke test under Triton's interpreter
 
 JSON keys: device, versions, commit (git sha), date, shape, copy_bandwidth_Bps, correctness,
-tiling (serial/hybrid tile sweep) and tiling_used, table1, state_commit (token replay vs factor
+tiling (serial/hybrid tile sweep) and tiling_used, table1, cost_fit (the serial/hybrid cost
+model refitted to table1), state_commit (token replay vs factor
 commit), fused, chain, picked, goals, bench_seconds.
 
 `picked` records every choice the run made from its own sweeps: the tiling of Table 1 and the
@@ -193,6 +194,43 @@ def table1(bench: Bench, tiling: dict) -> list[dict]:
             "paper_hybrid_x": paper[3] if paper else None,
         })
     return rows
+
+
+def cost_fit(rows: list[dict], layers: int) -> dict:
+    """`schedule.SERIAL_COST` refitted to this run's Table 1 (µs per layer), by least squares:
+    the serial pass as node·n + restore·restores, then, with those two, the hybrid as
+    hybrid_fixed + hybrid_node·n + its critical path. Each row's terms are averaged over the
+    row's trees, as its times are. `current` is the model in the code, `rms_us` each fit's
+    residual; copy the fitted values into `SERIAL_COST` when the kernels change."""
+    from specla.ops.gdn import schedule
+
+    terms = []  # per row: (n, restores, [(depth, hops) per tree])
+    for r in rows:
+        trees = [torch.tensor([beam_tree(r["topk"], r["depth"], r["nodes"], seed=s)]) for s in range(r["trees"])]
+        per = [schedule.cost_terms(p) for p in trees]
+        terms.append((trees[0].shape[1], statistics.mean(float(t[0]) for t in per), [(t[1][0], t[2][0]) for t in per]))
+    us = lambda key: torch.tensor([r[key] * 1e3 / layers for r in rows], dtype=torch.float64)  # noqa: E731
+
+    def lstsq(A, y):
+        """Non-negative least squares in two unknowns: the unconstrained fit, else the better of
+        the fits with one of them pinned at 0 (a cost cannot be negative; six Table 1 rows,
+        whose restores grow with their size, can ask for one)."""
+        A = torch.tensor(A, dtype=torch.float64)
+        best = None
+        for cols in ([0, 1], [0], [1]):
+            x = torch.zeros(2, dtype=torch.float64)
+            x[cols] = torch.linalg.lstsq(A[:, cols], y[:, None]).solution[:, 0]
+            rms = float((A @ x - y).pow(2).mean().sqrt())
+            if bool((x >= 0).all()) and (best is None or rms < best[1] - 1e-12):
+                best = (x.tolist(), rms)
+        return best
+
+    (node, restore), rms_serial = lstsq([[n, rs] for n, rs, _ in terms], us("serial_ms"))
+    crit = torch.tensor([statistics.mean(float((node * d + restore * h).max()) for d, h in trees)
+                         for _, _, trees in terms], dtype=torch.float64)
+    (fixed, hnode), rms_hybrid = lstsq([[1.0, n] for n, _, _ in terms], us("hybrid_ms") - crit)
+    return {"node": node, "restore": restore, "hybrid_fixed": fixed, "hybrid_node": hnode,
+            "rms_us": {"serial": rms_serial, "hybrid": rms_hybrid}, "current": dict(schedule.SERIAL_COST)}
 
 
 def commit_section(bench: Bench) -> list[dict]:
@@ -460,6 +498,10 @@ def _print(result: dict) -> None:
             t.add_row(*[f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols])
         con.print(t)
 
+    if isinstance(result.get("cost_fit"), dict) and "error" not in result["cost_fit"]:
+        fit = result["cost_fit"]
+        con.print("cost model refitted to Table 1 (µs a layer; schedule.SERIAL_COST):",
+                  {k: round(fit[k], 3) for k in fit["current"]}, "in the code:", fit["current"])
     if isinstance(result.get("correctness"), dict) and "error" not in result["correctness"]:
         worst = {name: max(e["rel"] for e in (v.values() if "rel" not in v else [v]))
                  for name, v in result["correctness"].items()}
@@ -573,7 +615,9 @@ def run(out_dir: str = "benchmarks/results", device: str = "cuda", quick: bool =
     sweep = section("tiling", tiling_sweep, bench)
     tiling = pick_tiling(sweep) if isinstance(sweep, list) else {"block_v": 16, "num_warps": 4}
     result["tiling_used"] = tiling
-    section("table1", table1, bench, tiling)
+    rows = section("table1", table1, bench, tiling)
+    if isinstance(rows, list):
+        section("cost_fit", cost_fit, rows, bench.layers)
     section("state_commit", commit_section, bench)
     section("fused", fused_section, bench, tiling)
     if isinstance(bandwidth, float):

@@ -64,17 +64,32 @@ class HybridSchedule:
 SERIAL_COST = {"node": 0.68, "restore": 0.77, "hybrid_fixed": 6.3, "hybrid_node": 0.76}
 
 
-def _costs(parents: torch.Tensor, M: torch.Tensor, is_head: torch.Tensor, cost: dict | None = None):
-    """(serial, hybrid) estimated cost per row, [B] each."""
-    c = SERIAL_COST if cost is None else cost
-    B, n = parents.shape
+def _terms(parents: torch.Tensor, M: torch.Tensor, is_head: torch.Tensor):
+    """What the costs are linear in: (restores [B], depth [B, n], hops [B, n]): the serial pass's
+    restores, and per node the nodes and the chain starts on its root path."""
+    n = parents.shape[1]
     idx = torch.arange(n, device=parents.device)
     restores = (parents[:, 1:] != idx[:-1]).sum(1).float()
-    serial = c["node"] * n + c["restore"] * restores
     hop = is_head.float().clone()
     hop[:, 0] = 0.0  # the root chain starts from the state, not from a boundary tile
     depth = M.sum(2)  # nodes on the path root..j
     hops = torch.bmm(M, hop[:, :, None])[..., 0]  # chain starts on that path
+    return restores, depth, hops
+
+
+def cost_terms(parents: torch.Tensor):
+    """`_terms` of a parent array [B, n] (for fitting `SERIAL_COST` to measured times)."""
+    parents = parents.long()
+    M = ancestor_closure(parents)
+    return _terms(parents, M, _heads(parents, M)[0])
+
+
+def _costs(parents: torch.Tensor, M: torch.Tensor, is_head: torch.Tensor, cost: dict | None = None):
+    """(serial, hybrid) estimated cost per row, [B] each."""
+    c = SERIAL_COST if cost is None else cost
+    n = parents.shape[1]
+    restores, depth, hops = _terms(parents, M, is_head)
+    serial = c["node"] * n + c["restore"] * restores
     crit = (c["node"] * depth + c["restore"] * hops).amax(1)
     hybrid = c["hybrid_fixed"] + c["hybrid_node"] * n + crit
     return serial, hybrid
