@@ -326,3 +326,16 @@ def test_cost_fit_recovers_the_model_that_made_the_times():
     for key, want in truth.items():
         assert fit[key] == pytest.approx(want, rel=1e-5), key
     assert fit["rms_us"]["serial"] < 1e-5 and fit["current"] == schedule.SERIAL_COST
+
+
+def test_bench_kernels_runs_every_section_on_cpu(tmp_path):
+    """`bench kernels --device cpu --quick`: every section runs under the interpreter (timings
+    meaningless) and the JSON holds the issue's keys, the cost fit among them."""
+    from specla.bench import kernels
+
+    res = kernels.run(str(tmp_path), device="cpu", quick=True)
+    for key in ("table1", "cost_fit", "state_commit", "fused", "chain", "correctness"):
+        assert "error" not in res[key] if isinstance(res[key], dict) else res[key], key
+    assert {"topk", "depth", "nodes", "r2l_ms", "serial_ms", "parallel_ms", "hybrid_ms"} <= set(res["table1"][0])
+    assert set(res["cost_fit"]["current"]) == {"node", "restore", "hybrid_fixed", "hybrid_node"}
+    assert json.loads((tmp_path / "kernels_cpu_smoke.json").read_text())["goals"] == res["goals"]
