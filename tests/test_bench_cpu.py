@@ -326,6 +326,7 @@ def test_cost_fit_recovers_the_model_that_made_the_times():
     for key, want in truth.items():
         assert fit[key] == pytest.approx(want, rel=1e-5), key
     assert fit["rms_us"]["serial"] < 1e-5 and fit["current"] == schedule.SERIAL_COST
+    assert fit["choices"]["fitted"] == fit["choices"]["trees"] == 12  # the true model picks the faster route
 
 
 def test_bench_kernels_runs_every_section_on_cpu(tmp_path):

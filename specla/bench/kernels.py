@@ -201,12 +201,15 @@ def cost_fit(rows: list[dict], layers: int) -> dict:
     the serial pass as node·n + restore·restores, then, with those two, the hybrid as
     hybrid_fixed + hybrid_node·n + its critical path. Each row's terms are averaged over the
     row's trees, as its times are. `current` is the model in the code, `rms_us` each fit's
-    residual; copy the fitted values into `SERIAL_COST` when the kernels change."""
+    residual, `choices` how many trees each model sends to the route that measured faster
+    (serial pass or hybrid): a fit of the times is not a fit of the choice, so compare both
+    before moving `SERIAL_COST`."""
     from specla.ops.gdn import schedule
 
-    terms = []  # per row: (n, restores, [(depth, hops) per tree])
+    terms, trees_of = [], []  # per row: (n, restores, [(depth, hops) per tree]); its parent arrays
     for r in rows:
         trees = [torch.tensor([beam_tree(r["topk"], r["depth"], r["nodes"], seed=s)]) for s in range(r["trees"])]
+        trees_of.append(trees)
         per = [schedule.cost_terms(p) for p in trees]
         terms.append((trees[0].shape[1], statistics.mean(float(t[0]) for t in per), [(t[1][0], t[2][0]) for t in per]))
     us = lambda key: torch.tensor([r[key] * 1e3 / layers for r in rows], dtype=torch.float64)  # noqa: E731
@@ -229,8 +232,12 @@ def cost_fit(rows: list[dict], layers: int) -> dict:
     crit = torch.tensor([statistics.mean(float((node * d + restore * h).max()) for d, h in trees)
                          for _, _, trees in terms], dtype=torch.float64)
     (fixed, hnode), rms_hybrid = lstsq([[1.0, n] for n, _, _ in terms], us("hybrid_ms") - crit)
-    return {"node": node, "restore": restore, "hybrid_fixed": fixed, "hybrid_node": hnode,
-            "rms_us": {"serial": rms_serial, "hybrid": rms_hybrid}, "current": dict(schedule.SERIAL_COST)}
+    fitted = {"node": node, "restore": restore, "hybrid_fixed": fixed, "hybrid_node": hnode}
+    choices = {name: sum(bool(schedule.prefer_serial(p, model)) == (r["serial_ms"] <= r["hybrid_ms"])
+                         for r, ps in zip(rows, trees_of) for p in ps)
+               for name, model in (("current", schedule.SERIAL_COST), ("fitted", fitted))}
+    return {**fitted, "rms_us": {"serial": rms_serial, "hybrid": rms_hybrid}, "current": dict(schedule.SERIAL_COST),
+            "choices": {**choices, "trees": sum(len(ps) for ps in trees_of)}}
 
 
 def commit_section(bench: Bench) -> list[dict]:
@@ -501,7 +508,8 @@ def _print(result: dict) -> None:
     if isinstance(result.get("cost_fit"), dict) and "error" not in result["cost_fit"]:
         fit = result["cost_fit"]
         con.print("cost model refitted to Table 1 (µs a layer; schedule.SERIAL_COST):",
-                  {k: round(fit[k], 3) for k in fit["current"]}, "in the code:", fit["current"])
+                  {k: round(fit[k], 3) for k in fit["current"]}, "in the code:", fit["current"],
+                  "trees each sends to the faster route:", fit["choices"])
     if isinstance(result.get("correctness"), dict) and "error" not in result["correctness"]:
         worst = {name: max(e["rel"] for e in (v.values() if "rel" not in v else [v]))
                  for name, v in result["correctness"].items()}
