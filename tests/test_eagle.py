@@ -153,7 +153,9 @@ def test_tree_construction(shape, vocab, seed, budget, tau):
     inside = lambda s: tau is None or s >= best - tau  # noqa: E731
     # the rollout equals explicit enumeration (the window of it, with tau: the rollout stops early)
     brute = _brute_rollout(logp_of, vocab, topk, depth)
-    assert {p: s for p, s in pool.items() if inside(s)} == {p: s for p, s in brute.items() if inside(s)}
+    # (the rollout subtracts each row's log-sum-exp, ~1e-16 here: the scorer's rows are normalised)
+    got, want = ({p: s for p, s in d.items() if inside(s)} for d in (pool, brute))
+    assert got.keys() == want.keys() and all(got[p] == pytest.approx(want[p], abs=1e-12) for p in got)
     assert all(s <= pool[p[:-1]] for p, s in pool.items() if len(p) > 1)  # q never increases along a path
 
     kept = tree.select(score, par, budget, tau)
@@ -519,18 +521,3 @@ def test_drafter_graphs_follow_the_target_fusion():
         assert fused.mode_of(model) == "default" and d._graph_fns()[2] is fused.no_compiles
     finally:
         model.fuse(False)
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.integers(1, 3), st.integers(1, 5), st.integers(1, 40), st.integers(1, 4), st.integers(0, 10**6))
-def test_top_k_is_topk_with_lowest_ids_first_on_ties(B, nb, V, k, seed):
-    """`tree.top_k` = torch.topk's values, best first; among equal values (ties are frequent
-    here: few distinct values) the lowest index first, also at the cut."""
-    k = min(k, V)
-    x = torch.randint(0, 4, (B, nb, V), generator=torch.Generator().manual_seed(seed)).float()
-    vals, idx = tree.top_k(x, k)
-    assert torch.equal(vals, x.topk(k, dim=-1).values)
-    assert torch.equal(x.gather(-1, idx), vals)
-    # the lowest ids among equal values: rank by (-value, index)
-    order = torch.argsort(-x * (V + 1) + torch.arange(V), dim=-1, stable=True)[..., :k]
-    assert torch.equal(idx, order)

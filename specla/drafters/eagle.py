@@ -458,7 +458,7 @@ class EagleDrafter(Drafter):
             self._store(keys, values, self.len[:, None] + start + torch.arange(n, device=dev), kk, v)
             sees = rows.gather(2, entry_of_slot[:, None, :].expand(B, n, -1))
             h = m.finish(x, m.attend(q, keys, values, committed[:, None] | (in_draft[:, None] & sees)))
-            return torch.log_softmax(tgt.lm_head(m.norm(h)).to(_acc(tgt.dtype)), -1)
+            return tgt.lm_head(m.norm(h))  # the expand normalises the k tokens it keeps
 
         return tree.beam_search(step, root, k, self.depth, tau)
 

@@ -30,41 +30,26 @@ from __future__ import annotations
 
 import torch
 
-
-def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest entries of x along the last dimension, best first, the lowest index first
-    among equal values (also at the cut, where `torch.topk` picks any), as k max-reductions:
-    for the small k of a rollout they fuse under torch.compile, where topk stays one slow
-    radix-select kernel per call (~15-40 µs on an 8k vocabulary)."""
-    vals, idx = [], []
-    for j in range(k):
-        v, i = x.max(-1)  # the first maximal index
-        vals.append(v)
-        idx.append(i)
-        if j + 1 < k:
-            x = x.scatter(-1, i[..., None], float("-inf"))
-    return torch.stack(vals, -1), torch.stack(idx, -1)
+from specla import ops
 
 
-def expand(beam_scores: torch.Tensor, logp: torch.Tensor, topk: int):
-    """One depth of the rollout.
+def expand(beam_scores: torch.Tensor, logits: torch.Tensor, topk: int):
+    """One depth of the rollout (`ops.beam_expand`).
 
-    beam_scores [B, nb] are the beams' q; logp [B, nb, V] the drafter's next-token
-    log-probabilities at each beam. Returns the children, child j of beam i at i·topk + j:
-    tokens [B, nb·topk] (each beam's top-k, best first, lower id first among equal
-    scores), their scores [B, nb·topk], and beams [B, topk]: the flat indices of the
-    topk best children (best first, earlier first among equal scores), the next beams.
+    beam_scores [B, nb] are the beams' q; logits [B, nb, V] the drafter's next-token logits at
+    each beam (log-probabilities up to a constant per beam). Returns the children, child j of
+    beam i at i·topk + j: tokens [B, nb·topk] (each beam's top-k, best first, lower id first
+    among equal scores, as AR's argmax), their scores [B, nb·topk], and beams [B, topk]: the
+    flat indices of the topk best children (best first, earlier first among equal scores), the
+    next beams.
     """
-    lp, tok = top_k(logp, topk)  # best first, lower token id first among equal values, as AR's argmax
-    scores = (beam_scores[..., None] + lp).flatten(1)
-    beams = top_k(scores, topk)[1]
-    return tok.flatten(1), scores, beams
+    return ops.beam_expand(logits, beam_scores, topk)
 
 
 def beam_search(step, root: torch.Tensor, topk: int, depth: int, tau: float | None = None):
     """The rollout: the pool's tokens, parents (-1 = the root) and scores, [B, P] each.
 
-    step(d, tokens, src) -> logp [B, n, V] scores the n beams of depth d (d = 0: the root
+    step(d, tokens, src) -> logits [B, n, V] scores the n beams of depth d (d = 0: the root
     alone, tokens = root[:, None]); src[b, i] is the beam of depth d - 1 that beam i extends
     (0 at d = 1; zeros at d = 0). With tau, the rollout stops once every beam is outside the
     window: scores never increase along a path, so nothing deeper could enter it (one host
@@ -77,10 +62,10 @@ def beam_search(step, root: torch.Tensor, topk: int, depth: int, tau: float | No
     for d in range(depth):
         if best is not None and tau is not None and bool((beam_score.amax(1) < best - tau).all()):
             break
-        logp = step(d, beam_tok, src)
+        logits = step(d, beam_tok, src)
         if beam_score is None:
-            beam_score = logp.new_zeros(B, 1)
-        tok, score, nxt = expand(beam_score, logp, topk)
+            beam_score = logits.new_zeros(B, 1, dtype=torch.promote_types(logits.dtype, torch.float32))
+        tok, score, nxt = expand(beam_score, logits, topk)
         pool.append((tok, beam_pool[:, :, None].expand(-1, -1, topk).flatten(1), score))
         if best is None:
             best = score[:, 0]  # q*: the best first token; no deeper score exceeds it

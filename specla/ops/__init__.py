@@ -33,6 +33,7 @@ import os
 
 import torch
 
+from specla.ops.beam import naive as beam_ref
 from specla.ops.conv import naive as conv_ref
 from specla.ops.gdn import naive as gdn_ref
 from specla.ops.linear import naive as linear_ref
@@ -265,6 +266,27 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if kernel == "skinny" and x.shape[-1] >= 16:
         return linear_triton.skinny(x, weight, **tiling)
     return torch.nn.functional.linear(x, weight)
+
+
+@torch.library.custom_op("specla::beam_expand", mutates_args=())
+def beam_expand(logits: torch.Tensor, beam_scores: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                       torch.Tensor]:
+    """One rollout depth (`ops.beam.naive.beam_expand`): two Triton launches where Triton runs
+    (Inductor made a dozen or more kernels of it), the reference elsewhere and for float64. A
+    custom op, so that inside the drafter's compiled rollout it stays one opaque call."""
+    if not use_triton(logits) or logits.dtype == torch.float64:
+        return beam_ref.beam_expand(logits, beam_scores, topk)
+    from specla.ops.beam import triton as beam_triton
+
+    return beam_triton.beam_expand(logits, beam_scores, topk)
+
+
+@beam_expand.register_fake
+def _beam_expand_shape(logits, beam_scores, topk):
+    B, nb, _ = logits.shape
+    acc = torch.promote_types(logits.dtype, torch.float32)
+    return (logits.new_empty(B, nb * topk, dtype=torch.long), logits.new_empty(B, nb * topk, dtype=acc),
+            logits.new_empty(B, topk, dtype=torch.long))
 
 
 @skinny_linear.register_fake

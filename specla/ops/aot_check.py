@@ -19,17 +19,18 @@ import tempfile
 
 POINTERS = {
     "parents": "*i64", "chain_nodes": "*i32", "chain_len": "*i32", "light": "*i32", "n_chains": "*i32",
-    "flags": "*i32",
+    "flags": "*i32", "cand_i": "*i32", "tok": "*i64", "beams": "*i64",
     "plen": "*i64", "valid": "*i64", "path": "*i64", "length": "*i64",
     "x": "*bf16", "conv_state": "*bf16", "weight": "*bf16", "y": "*bf16", "a": "*bf16", "bb": "*bf16", "z": "*bf16",
 }
 ALIGNED = ("n_in",)
 SCALARS = {"scale": "fp32", "n": "i32", "P": "i32", "C": "i32", "n_tiles": "i32", "n_out": "i32", "n_in": "i32",
-           "n_rows": "i32", "eps": "fp32"}
+           "n_rows": "i32", "eps": "fp32", "V": "i32", "NC": "i32", "s_row": "i32", "nb": "i32"}
 
 
 def variants(H=8, HV=8, K=256, V=256):
     """(name, kernel, constexprs, num_warps) for every variant the dispatch and benchmarks use."""
+    from specla.ops.beam import triton as beam
     from specla.ops.conv import triton as conv
     from specla.ops.gdn import commit, parallel, serial
     from specla.ops.linear import triton as linear
@@ -63,6 +64,9 @@ def variants(H=8, HV=8, K=256, V=256):
                dict(H=H, HV=HV, K=K, V=V, W=4, NP=NP, BK=K, BV=V, HAS_BIAS=False, NEG=False),
                conv.tree_prelude_warps(NP))
     yield ("gated_rms_norm", norm._gated_rms_norm_kernel, dict(HV=HV, V=V, BV=V, HAS_Z=True, SIGMOID=False), 4)
+    # a rollout depth of 4 beams over a 32k vocabulary (the 1.3B shape's), top-4
+    yield "beam_expand chunk", beam._chunk_kernel, dict(K=4, BLOCK=beam.CHUNK), 4
+    yield "beam_expand merge", beam._merge_kernel, dict(K=4, KP=4, NB=4, NCP=32, NCK=128), 4
     for BN, BK, warps in linear.TILINGS:
         yield f"gemv BN={BN} BK={BK} w={warps}", linear._gemv_kernel, dict(BN=BN, BK=BK), warps
     for BM, BN, BK, warps in linear.SKINNY_TILINGS:

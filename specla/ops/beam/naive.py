@@ -1,0 +1,40 @@
+"""One depth of a beam top-k rollout (SpecLA §6.1), the torch reference of `triton.py`.
+
+`beam_expand` takes each beam's next-token logits, not log-probabilities: the top-k tokens of a
+row are those of its logits (a log-softmax shifts a row by one constant), and only the k chosen
+ones need the row's log-sum-exp subtracted, so no log-softmax of the whole vocabulary is formed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest entries of x along the last dimension, best first, the lowest index first
+    among equal values (also at the cut, where `torch.topk` picks any), as k max-reductions."""
+    vals, idx = [], []
+    for j in range(k):
+        v, i = x.max(-1)  # the first maximal index
+        vals.append(v)
+        idx.append(i)
+        if j + 1 < k:
+            x = x.scatter(-1, i[..., None], float("-inf"))
+    return torch.stack(vals, -1), torch.stack(idx, -1)
+
+
+def beam_expand(logits: torch.Tensor, beam_scores: torch.Tensor, topk: int):
+    """logits [B, nb, V] at each beam, beam_scores [B, nb] the beams' cumulative log-probability.
+
+    Returns the children, child j of beam i at i·topk + j: tokens [B, nb·topk] (each beam's
+    top-k by logit, best first, lower id first among equal logits), their scores [B, nb·topk]
+    (beam score + the token's log-probability), and beams [B, topk]: the flat indices of the
+    topk best children (best first, earlier first among equal scores), the next beams.
+    Computed in float32, or float64 for float64 logits.
+    """
+    acc = torch.promote_types(logits.dtype, torch.float32)
+    x = logits.to(acc)
+    val, tok = top_k(x, topk)
+    lp = val - torch.logsumexp(x, -1, keepdim=True)
+    scores = (beam_scores.to(acc)[..., None] + lp).flatten(1)
+    return tok.flatten(1), scores, top_k(scores, topk)[1]

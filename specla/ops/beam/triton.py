@@ -1,0 +1,96 @@
+"""Triton `beam_expand` (same contract as `naive.py`): one rollout depth in two launches.
+
+Inductor made one depth's log-softmax, the per-beam top-k (k max-reductions with a scatter
+between them) and the top-k of the children into a dozen or more kernels. Here:
+1. `_chunk_kernel`, one program per (beam row, vocabulary chunk): the chunk's k best logits
+   (lowest id first among equal values) and its max and sum of exponentials;
+2. `_merge_kernel`, one program per batch row: each beam's log-sum-exp from its chunks, its k
+   best tokens from the chunks' candidates (every id sits in one chunk, so no candidate
+   repeats), the children's scores, and the k best children.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 1024
+BIG = tl.constexpr(2 ** 31 - 1)  # an index past any vocabulary (a jitted global must be a constexpr)
+
+
+@triton.jit
+def _chunk_kernel(x, cand_v, cand_i, cmax, csum, V, NC, s_row, K: tl.constexpr, BLOCK: tl.constexpr):
+    row, c = tl.program_id(0), tl.program_id(1)
+    offs = c * BLOCK + tl.arange(0, BLOCK)
+    live = offs < V
+    xv = tl.load(x + row.to(tl.int64) * s_row + offs, mask=live, other=float("-inf")).to(tl.float32)
+    m = tl.max(xv, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)  # a chunk of -inf only: its sum is 0
+    tl.store(cmax + row * NC + c, m)
+    tl.store(csum + row * NC + c, tl.sum(tl.where(live, tl.exp(xv - m_safe), 0.0), 0))
+    out = (row * NC + c) * K
+    for j in tl.static_range(K):
+        v = tl.max(xv, 0)
+        i = tl.min(tl.where(live & (xv == v), offs, BIG), 0)
+        tl.store(cand_v + out + j, v)
+        tl.store(cand_i + out + j, i)
+        xv = tl.where(offs == i, float("-inf"), xv)
+
+
+@triton.jit
+def _merge_kernel(cand_v, cand_i, cmax, csum, beam_scores, tok, scores, beams, nb, NC,
+                  K: tl.constexpr, KP: tl.constexpr, NB: tl.constexpr, NCP: tl.constexpr, NCK: tl.constexpr):
+    b = tl.program_id(0)
+    rows = tl.arange(0, NB)
+    live = rows < nb
+    r = b * nb + rows
+    cols = tl.arange(0, NCK)
+    m_c = live[:, None] & (cols < NC * K)[None, :]
+    v = tl.load(cand_v + r[:, None] * NC * K + cols[None, :], mask=m_c, other=float("-inf"))
+    ix = tl.load(cand_i + r[:, None] * NC * K + cols[None, :], mask=m_c, other=BIG)
+    cc = tl.arange(0, NCP)
+    m_s = live[:, None] & (cc < NC)[None, :]
+    cm = tl.load(cmax + r[:, None] * NC + cc[None, :], mask=m_s, other=float("-inf"))
+    cs = tl.load(csum + r[:, None] * NC + cc[None, :], mask=m_s, other=0.0)
+    top = tl.max(cm, 1)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    lse = top + tl.log(tl.where(live, tl.sum(cs * tl.exp(cm - top[:, None]), 1), 1.0))
+    bs = tl.load(beam_scores + r, mask=live, other=0.0).to(tl.float32)
+    kk = tl.arange(0, KP)
+    child = tl.full([NB, KP], float("-inf"), tl.float32)
+    for j in tl.static_range(K):
+        mv = tl.max(v, 1)
+        mi = tl.min(tl.where(v == mv[:, None], ix, BIG), 1)
+        sc = bs + (mv - lse)
+        tl.store(tok + b * nb * K + rows * K + j, mi, mask=live)
+        tl.store(scores + b * nb * K + rows * K + j, sc, mask=live)
+        child = tl.where((kk == j)[None, :] & live[:, None], sc[:, None], child)
+        v = tl.where(ix == mi[:, None], float("-inf"), v)
+    flat = rows[:, None] * K + kk[None, :]
+    for j in tl.static_range(K):
+        best = tl.max(tl.max(child, 1), 0)
+        f = tl.min(tl.min(tl.where(child == best, flat, BIG), 1), 0)
+        tl.store(beams + b * K + j, f)
+        child = tl.where(flat == f, float("-inf"), child)
+
+
+def beam_expand(logits: torch.Tensor, beam_scores: torch.Tensor, topk: int):
+    """Same contract as `naive.beam_expand` (float32 or lower-precision logits; V >= topk)."""
+    B, nb, V = logits.shape
+    dev = logits.device
+    x = logits.contiguous()
+    BLOCK = min(CHUNK, triton.next_power_of_2(V))
+    NC = triton.cdiv(V, BLOCK)
+    cand_v = torch.empty(B * nb, NC, topk, dtype=torch.float32, device=dev)
+    cand_i = torch.empty(B * nb, NC, topk, dtype=torch.int32, device=dev)
+    cmax = torch.empty(B * nb, NC, dtype=torch.float32, device=dev)
+    csum = torch.empty_like(cmax)
+    _chunk_kernel[(B * nb, NC)](x, cand_v, cand_i, cmax, csum, V, NC, V, K=topk, BLOCK=BLOCK)
+    tok = torch.empty(B, nb * topk, dtype=torch.long, device=dev)
+    scores = torch.empty(B, nb * topk, dtype=torch.float32, device=dev)
+    beams = torch.empty(B, topk, dtype=torch.long, device=dev)
+    _merge_kernel[(B,)](cand_v, cand_i, cmax, csum, beam_scores.float().contiguous(), tok, scores, beams, nb, NC,
+                        K=topk, KP=triton.next_power_of_2(topk), NB=triton.next_power_of_2(nb),
+                        NCP=triton.next_power_of_2(NC), NCK=triton.next_power_of_2(NC * topk))
+    return tok, scores, beams

@@ -1,0 +1,62 @@
+"""`ops.beam_expand`: the reference's top-k and tie rules, and the Triton kernels against the
+reference (interpreter on CPU)."""
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specla import ops
+from specla.ops.beam import naive as beam_naive
+from specla.ops.beam import triton as beam_triton
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 5), st.integers(1, 40), st.integers(1, 4), st.integers(0, 10**6))
+def test_top_k_is_topk_with_lowest_ids_first_on_ties(B, nb, V, k, seed):
+    """`top_k` = torch.topk's values, best first; among equal values (ties are frequent
+    here: few distinct values) the lowest index first, also at the cut."""
+    k = min(k, V)
+    x = torch.randint(0, 4, (B, nb, V), generator=torch.Generator().manual_seed(seed)).float()
+    vals, idx = beam_naive.top_k(x, k)
+    assert torch.equal(vals, x.topk(k, dim=-1).values)
+    assert torch.equal(x.gather(-1, idx), vals)
+    # the lowest ids among equal values: rank by (-value, index)
+    order = torch.argsort(-x * (V + 1) + torch.arange(V), dim=-1, stable=True)[..., :k]
+    assert torch.equal(idx, order)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(B=st.integers(1, 2), nb=st.integers(1, 5), V=st.sampled_from([4, 17, 1024, 1500, 2049]), k=st.integers(1, 4),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), tied_beams=st.booleans(), seed=st.integers(0, 2**16))
+def test_beam_expand_kernels_match_reference(B, nb, V, k, dtype, tied_beams, seed):
+    """Tokens and beams equal, scores to float32 rounding; ties inside a row (equal logits,
+    lowest id first) and across beams (equal rows and scores, earlier child first) included.
+    Vocabularies over one chunk (1024) merge candidates from several chunks."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, nb, V, generator=g) * 3
+    x[..., V // 2] = x[..., V // 3] = x.amax(-1) + 1  # a tie at the top of every row
+    scores = torch.randn(B, nb, generator=g)
+    if tied_beams:  # every beam the same: the best children tie across beams
+        x[:, 1:] = x[:, :1]
+        scores[:, 1:] = scores[:, :1]
+    x = x.to(dtype)
+    tok, sc, beams = beam_triton.beam_expand(x, scores, k)
+    rtok, rsc, rbeams = beam_naive.beam_expand(x, scores, k)
+    assert tok.shape == rtok.shape == (B, nb * k) and beams.shape == rbeams.shape == (B, k)
+    assert torch.equal(tok, rtok) and torch.equal(beams, rbeams)
+    assert sc.dtype == rsc.dtype == torch.float32
+    torch.testing.assert_close(sc, rsc, rtol=1e-6, atol=1e-5)
+
+
+def test_beam_expand_reference_is_the_log_softmax_rollout_step():
+    """Scores are beam score + log-softmax of the chosen tokens, in float64 for float64 logits
+    (the exactness tests' dtype), and the dispatcher keeps float64 on the reference."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 50, generator=g, dtype=torch.float64)
+    s = torch.randn(2, 3, generator=g, dtype=torch.float64)
+    tok, sc, beams = ops.beam_expand(x, s, 4)
+    lp = torch.log_softmax(x, -1)
+    assert sc.dtype == torch.float64
+    torch.testing.assert_close(sc, (s[..., None] + lp.gather(-1, tok.view(2, 3, 4))).flatten(1), rtol=0, atol=1e-12)
+    assert torch.equal(tok.view(2, 3, 4), lp.topk(4, -1).indices)
+    assert torch.equal(beams, sc.topk(4, -1).indices)
