@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from specla import ops
+from specla.ops.beam import naive as beam_naive
 
 
 def expand(beam_scores: torch.Tensor, logits: torch.Tensor, topk: int):
@@ -41,8 +42,10 @@ def expand(beam_scores: torch.Tensor, logits: torch.Tensor, topk: int):
     beam i at i·topk + j: tokens [B, nb·topk] (each beam's top-k, best first, lower id first
     among equal scores, as AR's argmax), their scores [B, nb·topk], and beams [B, topk]: the
     flat indices of the topk best children (best first, earlier first among equal scores), the
-    next beams.
+    next beams. `SPECLA_BEAM_EXPAND=torch` traces the reference instead of the custom op.
     """
+    if ops.BEAM_EXPAND == "torch":
+        return beam_naive.beam_expand(logits, beam_scores, topk)
     return ops.beam_expand(logits, beam_scores, topk)
 
 

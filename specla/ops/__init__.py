@@ -63,6 +63,11 @@ PARALLEL_MAX_NODES = 32
 TREE_VERIFIER = os.environ.get("SPECLA_TREE_VERIFIER", "auto")
 if TREE_VERIFIER not in ("auto", "parallel", "serial", "hybrid"):
     raise ValueError(f"SPECLA_TREE_VERIFIER={TREE_VERIFIER!r}: expected auto, parallel, serial or hybrid")
+# `SPECLA_BEAM_EXPAND=torch`: the rollout's depth step as the plain torch reference, which
+# Inductor fuses as it did before `beam_expand` existed (an A/B switch for benchmarks)
+BEAM_EXPAND = os.environ.get("SPECLA_BEAM_EXPAND", "auto")
+if BEAM_EXPAND not in ("auto", "torch"):
+    raise ValueError(f"SPECLA_BEAM_EXPAND={BEAM_EXPAND!r}: expected auto or torch")
 _exact = False
 
 

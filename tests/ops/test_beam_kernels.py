@@ -60,3 +60,16 @@ def test_beam_expand_reference_is_the_log_softmax_rollout_step():
     torch.testing.assert_close(sc, (s[..., None] + lp.gather(-1, tok.view(2, 3, 4))).flatten(1), rtol=0, atol=1e-12)
     assert torch.equal(tok.view(2, 3, 4), lp.topk(4, -1).indices)
     assert torch.equal(beams, sc.topk(4, -1).indices)
+
+
+def test_expand_switch_traces_the_reference(monkeypatch):
+    """`SPECLA_BEAM_EXPAND=torch`: `tree.expand` calls the reference itself, not the custom op."""
+    from specla.drafters import tree
+
+    calls = []
+    with monkeypatch.context() as m:
+        m.setattr(beam_naive, "beam_expand", lambda *a: calls.append("ref") or ("t", "s", "b"))
+        m.setattr(ops, "BEAM_EXPAND", "torch")
+        assert tree.expand(torch.zeros(1, 1), torch.zeros(1, 1, 8), 2) == ("t", "s", "b") and calls == ["ref"]
+    tok, sc, beams = tree.expand(torch.zeros(1, 1), torch.arange(8.0)[None, None], 2)  # the custom op
+    assert tok.tolist() == [[7, 6]] and beams.tolist() == [[0, 1]]
