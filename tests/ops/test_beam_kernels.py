@@ -73,3 +73,14 @@ def test_expand_switch_traces_the_reference(monkeypatch):
         assert tree.expand(torch.zeros(1, 1), torch.zeros(1, 1, 8), 2) == ("t", "s", "b") and calls == ["ref"]
     tok, sc, beams = tree.expand(torch.zeros(1, 1), torch.arange(8.0)[None, None], 2)  # the custom op
     assert tok.tolist() == [[7, 6]] and beams.tolist() == [[0, 1]]
+
+
+def test_beam_expand_custom_op_traces():
+    """The custom op's schema and fake shapes hold (`torch.library.opcheck`), and a compiled
+    function calling it, as the drafter's compiled rollout does, returns the eager result."""
+    g = torch.Generator().manual_seed(2)
+    x, s = torch.randn(1, 4, 40, generator=g), torch.randn(1, 4, generator=g)
+    torch.library.opcheck(ops.beam_expand, (x, s, 3))
+    compiled = torch.compile(lambda a, b: ops.beam_expand(a, b, 3), backend="aot_eager", fullgraph=True)
+    for got, want in zip(compiled(x, s), ops.beam_expand(x, s, 3)):
+        assert torch.equal(got, want)
