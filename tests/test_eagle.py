@@ -153,8 +153,10 @@ def test_tree_construction(shape, vocab, seed, budget, tau):
     inside = lambda s: tau is None or s >= best - tau  # noqa: E731
     # the rollout equals explicit enumeration (the window of it, with tau: the rollout stops early)
     brute = _brute_rollout(logp_of, vocab, topk, depth)
-    # (the rollout subtracts each row's log-sum-exp, ~1e-16 here: the scorer's rows are normalised)
-    got, want = ({p: s for p, s in d.items() if inside(s)} for d in (pool, brute))
+    # (the rollout subtracts each row's log-sum-exp, ~1e-16 here: the scorer's rows are
+    # normalised; so each side takes the window from its own best score, with that slack)
+    got, want = ({p: s for p, s in d.items() if tau is None or s >= max(d.values()) - tau - 1e-12}
+                 for d in (pool, brute))
     assert got.keys() == want.keys() and all(got[p] == pytest.approx(want[p], abs=1e-12) for p in got)
     assert all(s <= pool[p[:-1]] for p, s in pool.items() if len(p) > 1)  # q never increases along a path
 
