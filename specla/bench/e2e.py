@@ -253,8 +253,8 @@ def run(model_dir=None, suites=SUITES, routes=BASE_ROUTES, limit: int | None = N
     unique = {(suite, p.id): p for _, suite, p, _ in todo}.values()  # each prompt once, not once per route
     warm = warm_set(((len(lm.encode_prompt(p.turns[0])), p.turns[0]) for p in unique), max_new_tokens)
     warm = warm or ["warm up"]
-    pending = {w[3] for w in todo}
-    for route in tqdm([r for r in routes if r in pending], desc="warm-up (compile, autotune, capture)", unit="route"):
+    with_work = {w[3] for w in todo}
+    for route in tqdm([r for r in routes if r in with_work], desc="warm-up (compile, autotune, capture)", unit="route"):
         t0 = time.perf_counter()
         for text in warm:
             lm.generate(text, max_new_tokens=max_new_tokens, **_route_kwargs(route))

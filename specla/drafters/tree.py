@@ -67,7 +67,7 @@ def beam_search(step, root: torch.Tensor, topk: int, depth: int, tau: float | No
             break
         logits = step(d, beam_tok, src)
         if beam_score is None:
-            beam_score = logits.new_zeros(B, 1, dtype=torch.promote_types(logits.dtype, torch.float32))
+            beam_score = logits.new_zeros(B, 1, dtype=beam_naive.score_dtype(logits.dtype))
         tok, score, nxt = expand(beam_score, logits, topk)
         pool.append((tok, beam_pool[:, :, None].expand(-1, -1, topk).flatten(1), score))
         if best is None:

@@ -289,8 +289,8 @@ def beam_expand(logits: torch.Tensor, beam_scores: torch.Tensor, topk: int) -> t
 @beam_expand.register_fake
 def _beam_expand_shape(logits, beam_scores, topk):
     B, nb, _ = logits.shape
-    acc = torch.promote_types(logits.dtype, torch.float32)
-    return (logits.new_empty(B, nb * topk, dtype=torch.long), logits.new_empty(B, nb * topk, dtype=acc),
+    return (logits.new_empty(B, nb * topk, dtype=torch.long),
+            logits.new_empty(B, nb * topk, dtype=beam_ref.score_dtype(logits.dtype)),
             logits.new_empty(B, topk, dtype=torch.long))
 
 
