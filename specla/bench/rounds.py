@@ -101,11 +101,11 @@ def run(model_dir=None, routes=("ar", "chain", "tree", "ngram"), suite: str = "m
             lm.generate(text, max_new_tokens=max_new_tokens, **kw)
         timer = _Timer()
         for drafter in {id(d): d for d in lm._drafters.values() if d is not None}.values():
-            for name in PHASES["drafter"]:
-                timer.wrap(drafter, name)
+            for phase in PHASES["drafter"]:
+                timer.wrap(drafter, phase)
         for target in lm._targets.values():
-            for name in PHASES["target"]:
-                timer.wrap(target, name)
+            for phase in PHASES["target"]:
+                timer.wrap(target, phase)
         rounds = tokens = 0
         wall = 0.0
         try:

@@ -63,7 +63,8 @@ def test_beam_expand_reference_is_the_log_softmax_rollout_step():
 
 
 def test_expand_switch_traces_the_reference(monkeypatch):
-    """`SPECLA_BEAM_EXPAND=torch`: `tree.expand` calls the reference itself, not the custom op."""
+    """`SPECLA_BEAM_EXPAND=torch`, and top-1 always: `tree.expand` calls the reference itself,
+    not the custom op."""
     from specla.drafters import tree
 
     calls = []
@@ -71,6 +72,9 @@ def test_expand_switch_traces_the_reference(monkeypatch):
         m.setattr(beam_naive, "beam_expand", lambda *a: calls.append("ref") or ("t", "s", "b"))
         m.setattr(ops, "BEAM_EXPAND", "torch")
         assert tree.expand(torch.zeros(1, 1), torch.zeros(1, 1, 8), 2) == ("t", "s", "b") and calls == ["ref"]
+        m.setattr(ops, "BEAM_EXPAND", "auto")
+        m.setattr(ops, "beam_expand", lambda *a: calls.append("op"))
+        assert tree.expand(torch.zeros(1, 1), torch.zeros(1, 1, 8), 1) == ("t", "s", "b") and calls == ["ref", "ref"]
     tok, sc, beams = tree.expand(torch.zeros(1, 1), torch.arange(8.0)[None, None], 2)  # the custom op
     assert tok.tolist() == [[7, 6]] and beams.tolist() == [[0, 1]]
 
