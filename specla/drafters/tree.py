@@ -152,12 +152,16 @@ def build(root: int, tokens: list[int], parents: list[int], scores: list[float],
 
 def _rank(keys: list[torch.Tensor]) -> torch.Tensor:
     """Column indices of [B, n] keys sorted ascending by the keys, most significant first, then
-    by index (stable sorts, least significant key first)."""
+    by index. Counted rather than sorted: an element's place is how many others precede it, a
+    [B, n, n] comparison that compiles into one fused kernel where each stable sort was a
+    radix sort of its own (n is the rollout's pool, ~100 at most)."""
     B, n = keys[0].shape
-    order = torch.arange(n, device=keys[0].device).expand(B, n)
+    idx = torch.arange(n, device=keys[0].device)
+    precedes = (idx[None, :] < idx[:, None]).expand(B, n, n)  # [b, i, j]: j comes before i
     for key in reversed(keys):
-        order = order.gather(1, key.gather(1, order).sort(dim=1, stable=True).indices)
-    return order
+        ki, kj = key[:, :, None], key[:, None, :]
+        precedes = (kj < ki) | ((kj == ki) & precedes)
+    return torch.empty_like(keys[0], dtype=torch.long).scatter_(1, precedes.sum(2), idx.expand(B, n))
 
 
 def build_batch(root: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor,
@@ -184,8 +188,8 @@ def build_batch(root: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
     live = torch.arange(M, device=dev)[None] < count[:, None]
     # pack the live ones depth by depth, best score first, pool order; dead slots last
     d, q = depth.gather(1, kept), scores.gather(1, kept)
-    order = kept.gather(1, _rank([torch.where(live, d, P + 1), -q, kept]))
-    live = live.gather(1, _rank([torch.where(live, d, P + 1), -q, kept]))
+    packed = _rank([torch.where(live, d, P + 1), -q, kept])
+    order, live = kept.gather(1, packed), live.gather(1, packed)
     pos = torch.zeros(B, P, dtype=torch.long, device=dev)  # pool index -> output position
     pos.scatter_(1, order, torch.arange(1, M + 1, device=dev).expand(B, M).contiguous())
     par = parents.gather(1, order)
