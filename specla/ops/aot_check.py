@@ -25,14 +25,14 @@ POINTERS = {
 }
 ALIGNED = ("n_in",)
 SCALARS = {"scale": "fp32", "n": "i32", "P": "i32", "C": "i32", "n_tiles": "i32", "n_out": "i32", "n_in": "i32",
-           "n_rows": "i32", "eps": "fp32", "V": "i32", "NC": "i32", "s_row": "i32", "nb": "i32"}
+           "n_rows": "i32", "eps": "fp32", "V": "i32", "NC": "i32", "s_row": "i32", "nb": "i32", "W": "i32"}
 
 
 def variants(H=8, HV=8, K=256, V=256):
     """(name, kernel, constexprs, num_warps) for every variant the dispatch and benchmarks use."""
     from specla.ops.beam import triton as beam
     from specla.ops.conv import triton as conv
-    from specla.ops.gdn import commit, parallel, serial
+    from specla.ops.gdn import closure, commit, parallel, serial
     from specla.ops.linear import triton as linear
     from specla.ops.norm import triton as norm
 
@@ -65,6 +65,7 @@ def variants(H=8, HV=8, K=256, V=256):
                conv.tree_prelude_warps(NP))
     yield ("gated_rms_norm", norm._gated_rms_norm_kernel, dict(HV=HV, V=V, BV=V, HAS_Z=True, SIGMOID=False), 4)
     # a rollout depth of 4 beams over a 32k vocabulary (the 1.3B shape's), top-4
+    yield "ancestor closure", closure._closure_kernel, dict(NP=32, STEPS=4), 4
     yield "beam_expand chunk", beam._chunk_kernel, dict(K=4, BLOCK=beam.CHUNK), 4
     yield "beam_expand merge", beam._merge_kernel, dict(K=4, KP=4, NB=4, NCP=32, NCK=128), 4
     for BN, BK, warps in linear.TILINGS:
