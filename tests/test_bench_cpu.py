@@ -29,7 +29,25 @@ def test_controlled_quick_cpu(tmp_path):
         if c["p"] == 1.0:  # oracle acceptance: every draft token, every round
             assert c["tau"] == c["L"] + 1 == c["expected_tau"]
     assert [r["L"] for r in data["per_length"]] == list(controlled.LENGTHS)
-    assert res["grid"] == data["grid"]
+    assert res["grid"] == data["grid"] and data["complete"] is True
+
+
+def test_controlled_keeps_finished_lengths_when_cut_short(tmp_path, monkeypatch):
+    """A run stopped during its second chain length leaves the first length's cells on disk."""
+    timed = controlled.ChainRuntime.timed
+
+    def stop_at_second_length(self, accepted, chunk):
+        if self.L == 6:
+            raise KeyboardInterrupt
+        return timed(self, accepted, chunk)
+
+    monkeypatch.setattr(controlled.ChainRuntime, "timed", stop_at_second_length)
+    with pytest.raises(KeyboardInterrupt):
+        controlled.run(shape="tiny", device="cpu", quick=True, lengths=(5, 6), out_dir=tmp_path)
+    data = json.loads((tmp_path / "controlled.json").read_text())
+    assert data["complete"] is False and data["lengths"] == [5, 6]
+    assert {(c["p"], c["L"]) for c in data["grid"]} == {(p, 5) for p in controlled.PS}
+    assert [r["L"] for r in data["per_length"]] == [5]
 
 
 def test_sampled_acceptance_is_truncated_geometric():

@@ -22,7 +22,10 @@ ms/token ÷ (total round time ÷ tokens emitted); `speedup_expected` uses the ex
 instead of the sampled one (the same measured times, no sampling noise). Because tokens are forced,
 only latency ratios mean anything here (no output is checked). `round16_ms` is one
 16-draft-node beam-tree round (`bench.decode.time_rounds`, as `specla bench decode` times it),
-the figure whose goal is ≤ 1.2× an AR step. Writes `controlled.json` and the Fig 12 heatmap `controlled.png`.
+the figure whose goal is ≤ 1.2× an AR step. Writes `controlled.json` and the Fig 12 heatmap `controlled.png`;
+`controlled.json` is rewritten after every chain length (`complete` false until the last), so a run
+cut short keeps what it measured (two cold H200 runs were cut at their time bound with nothing
+written).
 
 On CPU (`device="cpu"`, `quick=True`) everything runs eagerly at tiny shapes: a smoke test;
 the timings mean nothing.
@@ -226,6 +229,28 @@ def run(shape: str = "gdn-1.3b-paper", device: str = "cuda", dtype: torch.dtype 
     capacity = 1 << math.ceil(math.log2(prompt_len + grow + max(lengths) + 16))
     max_len = prompt_len + grow + 64
     grid, per_length, profile = [], [], None
+    fused = getattr(model, "_fused", None)
+
+    def result(complete: bool) -> dict:
+        return {
+            "shape": shape, "dtype": str(dtype).removeprefix("torch."), "gemv": gemv if mode else None,
+            "params": sum(p.numel() for p in model.parameters()),
+            "drafter_params": sum(p.numel() for p in dm.parameters()), "graphs": graphs,
+            "fused": fused.mode if fused is not None else None,
+            "fused_dynamic_tokens": fused.dynamic_tokens if fused is not None else None,
+            "weight_floor_ms": weight_bytes / bw * 1e3 if bw else None,
+            "copy_bandwidth_GBps": bw / 1e9 if bw else None,
+            "ar_ms_per_token": ar_ms, "round16_ms": round16, "round16_over_ar": round16 / ar_ms,
+            "rounds": rounds, "prompt_len": prompt_len, "drafter_kv_capacity": capacity,
+            "acceptance": "sampled: each draft token accepted with probability p until the first rejection",
+            # False while lengths remain: a run cut short keeps the lengths it finished
+            "complete": complete, "lengths": list(lengths),
+            "per_length": per_length, "grid": grid,
+            # torch.profiler over 5 graph replays at the longest L: the drafter's proposal alone,
+            # and proposal + the target's round (GPU kernels per call, the top ones by time)
+            "profile_longest_L": profile,
+        }
+
     for L in tqdm(lengths, desc="controlled study (chain lengths)", unit="L"):
         rt = ChainRuntime(model, dm, L, prompt, max_len, capacity, graphs)
         # compile and capture outside the timings: the rollout has one graph per attention
@@ -254,27 +279,12 @@ def run(shape: str = "gdn-1.3b-paper", device: str = "cuda", dtype: torch.dtype 
         gc.collect()
         if graphs:
             torch.cuda.empty_cache()
-    fused = getattr(model, "_fused", None)
-    result = {
-        "shape": shape, "dtype": str(dtype).removeprefix("torch."), "gemv": gemv if mode else None,
-        "params": sum(p.numel() for p in model.parameters()),
-        "drafter_params": sum(p.numel() for p in dm.parameters()), "graphs": graphs,
-        "fused": fused.mode if fused is not None else None,
-        "fused_dynamic_tokens": fused.dynamic_tokens if fused is not None else None,
-        "weight_floor_ms": weight_bytes / bw * 1e3 if bw else None,
-        "copy_bandwidth_GBps": bw / 1e9 if bw else None,
-        "ar_ms_per_token": ar_ms, "round16_ms": round16, "round16_over_ar": round16 / ar_ms,
-        "rounds": rounds, "prompt_len": prompt_len, "drafter_kv_capacity": capacity,
-        "acceptance": "sampled: each draft token accepted with probability p until the first rejection",
-        "per_length": per_length, "grid": grid,
-        # torch.profiler over 5 graph replays at the longest L: the drafter's proposal alone,
-        # and proposal + the target's round (GPU kernels per call, the top ones by time)
-        "profile_longest_L": profile,
-    }
-    _print(result)
-    write_results("controlled", result, out_dir)
-    plot(result, Path(out_dir) / "controlled.png")
-    return result
+        write_results("controlled", result(complete=False), out_dir)
+    final = result(complete=True)
+    _print(final)
+    write_results("controlled", final, out_dir)
+    plot(final, Path(out_dir) / "controlled.png")
+    return final
 
 
 def _print(result: dict) -> None:
