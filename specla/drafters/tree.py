@@ -152,16 +152,30 @@ def build(root: int, tokens: list[int], parents: list[int], scores: list[float],
 
 def _rank(keys: list[torch.Tensor]) -> torch.Tensor:
     """Column indices of [B, n] keys sorted ascending by the keys, most significant first, then
-    by index. Counted rather than sorted: an element's place is how many others precede it, a
-    [B, n, n] comparison that compiles into one fused kernel where each stable sort was a
-    radix sort of its own (n is the rollout's pool, ~100 at most)."""
+    by index. Counted rather than sorted: an element's place is how many others precede it,
+    and the element at each place is found by comparison too. Both are [B, n, n] reductions
+    that Inductor fuses, where each stable sort was a radix sort of its own and a scatter an
+    eager kernel (H200 profiles; n is the rollout's pool, ~100 at most)."""
+    return _invert(_places(keys)) - 1
+
+
+def _places(keys: list[torch.Tensor]) -> torch.Tensor:
+    """[B, n]: each column's place in `_rank`'s order."""
     B, n = keys[0].shape
     idx = torch.arange(n, device=keys[0].device)
     precedes = (idx[None, :] < idx[:, None]).expand(B, n, n)  # [b, i, j]: j comes before i
     for key in reversed(keys):
         ki, kj = key[:, :, None], key[:, None, :]
         precedes = (kj < ki) | ((kj == ki) & precedes)
-    return torch.empty_like(keys[0], dtype=torch.long).scatter_(1, precedes.sum(2), idx.expand(B, n))
+    return precedes.sum(2)
+
+
+def _invert(perm: torch.Tensor, width: int | None = None) -> torch.Tensor:
+    """[B, width]: out[b, perm[b, i]] = i + 1 for a batch of injections perm [B, n] into
+    range(width) (default n), and 0 where nothing maps."""
+    n = perm.shape[1]
+    slots = torch.arange(width or n, device=perm.device)
+    return ((perm[:, None, :] == slots[None, :, None]) * torch.arange(1, n + 1, device=perm.device)).sum(2)
 
 
 def build_batch(root: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor,
@@ -190,8 +204,7 @@ def build_batch(root: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
     d, q = depth.gather(1, kept), scores.gather(1, kept)
     packed = _rank([torch.where(live, d, P + 1), -q, kept])
     order, live = kept.gather(1, packed), live.gather(1, packed)
-    pos = torch.zeros(B, P, dtype=torch.long, device=dev)  # pool index -> output position
-    pos.scatter_(1, order, torch.arange(1, M + 1, device=dev).expand(B, M).contiguous())
+    pos = _invert(order, P)  # pool index -> output position (0 where order does not hold it)
     par = parents.gather(1, order)
     out_par = torch.where(par < 0, 0, pos.gather(1, par.clamp(min=0)))
     out_tok = torch.cat([root[:, None], tokens.gather(1, order)], 1)
