@@ -8,8 +8,8 @@ GDN verification (docs/kernels.md):
 - n = 1 or a chain: the serial verifier (state-resident, nothing materialised);
 - a branching topology: the parallel verifier (UT form with the tree mask, one launch, no
   per-node pass over the state), for up to PARALLEL_MAX_NODES = 32 nodes (on the H200 it beat
-  the serial verifier on 17-node trees, 0.37-0.40 against 0.49-0.52 ms for 24 layers, and lost
-  on 33-node ones, 1.21-1.43 against 0.90-0.99 ms; kernels.json);
+  the serial verifier on 17-node trees, 0.34-0.36 against 0.53-0.57 ms for 24 layers, and lost
+  on 33-node ones, 1.18-1.40 against 0.96-1.05 ms; kernels.json, d302d7f);
 - in exact mode (`exact_arithmetic`, docs/exact.md), or beyond that size: the serial verifier in
   tree mode where the cost model (`schedule.SERIAL_COST`) expects it to be faster (few nodes,
   short chains), the chain-decomposed hybrid otherwise. Their nodes advance a resident state
@@ -141,7 +141,7 @@ def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, chain
         kind = "serial" if prefer else "hybrid"
     if kind == "serial":
         return serial.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, valid, **TILING)
-    # not the in-kernel serial fallback (schedule="auto"), which the H200 timed 1.6-1.8x slower
+    # not the in-kernel serial fallback (schedule="auto"), which the H200 timed 1.7-1.9x slower
     # on 16-node trees in graph replay (kernels.json, hybrid_auto_ms)
     return hybrid.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, **TILING)
 
