@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,16 @@ from specla import acceptance, fused, graphs, ops
 from specla.drafters.base import pad_draft
 from specla.model import Model, ModelOutput
 from specla.state import Cache, GDNLayerState
+
+# GraphTarget's prefill of prompts shorter than ops.CHUNK_MIN_TOKENS: chains of this many tokens,
+# each verified and committed in one graph replay (a short prompt cost ~9 ms of host time on the
+# plain path, 2026-12-02 H200 e2e: a compiled region call per layer and phase). 32 keeps the
+# verify's conv and factors in one kernel (ops' TREE_PRELUDE_MAX_NODES).
+PREFILL_WIDTH = 32
+# `SPECLA_PREFILL=plain`: every prefill takes the plain forward (the A/B switch for benchmarks)
+PREFILL = os.environ.get("SPECLA_PREFILL", "graph")
+if PREFILL not in ("graph", "plain"):
+    raise ValueError(f"SPECLA_PREFILL={PREFILL!r}: expected graph or plain")
 
 
 @dataclass
@@ -222,6 +233,40 @@ class GraphTarget(EagerTarget):
                 t.copy_(backup)
         self.graphs[key] = (graph, graph.out)
         return self.graphs[key]
+
+    def prefill(self, tokens, capture=()):
+        """A prompt shorter than ops.CHUNK_MIN_TOKENS is consumed PREFILL_WIDTH tokens at a time,
+        each chunk a padded chain verified and committed in one graph (`valid` stops the
+        recurrence and the commit at its real length). Longer prompts, and `SPECLA_PREFILL=plain`,
+        take the plain forward (fla's chunk kernel from ops.CHUNK_MIN_TOKENS on)."""
+        B, T = tokens.shape
+        if PREFILL == "plain" or T >= ops.CHUNK_MIN_TOKENS:
+            return super().prefill(tokens, capture)
+        W, dev = PREFILL_WIDTH, self.model.device
+        if getattr(self, "_prefill_buffers", None) is None:
+            self._prefill_buffers = (torch.zeros(B, W, dtype=torch.long, device=dev),
+                                     torch.arange(-1, W - 1, device=dev).expand(B, -1).contiguous(),
+                                     torch.arange(W, device=dev).expand(B, -1).contiguous(),
+                                     torch.zeros(B, dtype=torch.long, device=dev))
+        tok, par, path, valid = self._prefill_buffers
+        key = ("prefill", tuple(capture))
+
+        def run():
+            out = self._model_verify(tok, par, capture, True, valid)
+            self.cache.commit(out.records, path, valid, False)
+            return out.logits, out.hidden
+
+        logits, hidden = [], {i: [] for i in capture}
+        for s in range(0, T, W):
+            n = min(W, T - s)
+            tok[:, :n].copy_(tokens[:, s:s + n])
+            valid.fill_(n)
+            graph, (lg, hid) = self.graphs.get(key) or self._capture(key, run)
+            graph.replay()
+            logits.append(lg[:, :n].clone())
+            for i in capture:
+                hidden[i].append(hid[i][:, :n].clone())
+        return ModelOutput(torch.cat(logits, 1), {i: torch.cat(h, 1) for i, h in hidden.items()})
 
     def step(self, root):
         self.root.copy_(root)

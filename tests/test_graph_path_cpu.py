@@ -72,3 +72,33 @@ def test_graph_path_equals_ar(graph_path):
                                    targets=targets).run(torch.tensor([prompt]), new)
             assert rows == ar, (make().name, delayed)
     assert any(isinstance(t, GraphTarget) for t in targets.values())
+
+
+def test_graph_prefill_equals_the_plain_forward(graph_path, monkeypatch):
+    """`GraphTarget.prefill` (padded chains verified and committed in one graph each; three
+    chunks here, the last partial) gives the plain forward's logits and captured features and
+    leaves its state, on an AR target and on one with delayed commits; `SPECLA_PREFILL=plain`
+    takes the plain forward itself."""
+    from specla import engine
+
+    monkeypatch.setattr(engine, "PREFILL_WIDTH", 4)
+    cfg = tiny_config(3, num_hidden_layers=2, use_short_conv=True)
+    model = random_model(cfg, 3, dtype=torch.float32)
+    prompt = torch.tensor([_prompt(cfg.vocab_size, 3, length=7)])  # 10 tokens
+    ref_cache = model.new_cache(1, max_len=64)
+    ref = model.forward(prompt, ref_cache, capture=(0,))
+    for budget, delayed in ((1, False), (9, True)):
+        target = GraphTarget(model, 1, 64, budget, delayed)
+        out = target.prefill(prompt, capture=(0,))
+        assert ("prefill", (0,)) in target.graphs
+        torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.hidden[0], ref.hidden[0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(target.cache.length, ref_cache.length)
+        for got, want in zip(target.cache.layers, ref_cache.layers):
+            torch.testing.assert_close(got.S, want.S, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got.conv, want.conv, rtol=1e-5, atol=1e-5)
+            assert got.pending is None or int(got.pending[3].sum()) == 0
+    monkeypatch.setattr(engine, "PREFILL", "plain")
+    target = GraphTarget(model, 1, 64, 1, False)
+    target.prefill(prompt)
+    assert not target.graphs
