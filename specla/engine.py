@@ -203,6 +203,7 @@ class GraphTarget(EagerTarget):
         self.length = torch.zeros(batch, dtype=torch.long, device=dev)
         self.graphs: dict = {}
         self.records, self.verify_key = None, None
+        self._prefill_buffers = None  # tokens, parents, path, valid of a prefill chunk (`prefill`)
         # greedy acceptance walks the nodes one by one (~8 small ops per node) and settling a
         # round is ~40 more; beside a fused model both are compiled: a few kernels per graph
         self._accept, _ = fused.compile_for_graph(acceptance.greedy, fused.mode_of(model))
@@ -243,7 +244,7 @@ class GraphTarget(EagerTarget):
         if PREFILL == "plain" or T >= ops.CHUNK_MIN_TOKENS:
             return super().prefill(tokens, capture)
         W, dev = PREFILL_WIDTH, self.model.device
-        if getattr(self, "_prefill_buffers", None) is None:
+        if self._prefill_buffers is None:
             self._prefill_buffers = (torch.zeros(B, W, dtype=torch.long, device=dev),
                                      torch.arange(-1, W - 1, device=dev).expand(B, -1).contiguous(),
                                      torch.arange(W, device=dev).expand(B, -1).contiguous(),
