@@ -297,6 +297,27 @@ def test_decode_fused_vs_plain_compares_the_two_paths():
     assert line.startswith("tiny (cublas) fused_vs_plain_fp32: prefill max rel diff") and "argmax agree 100%" in line
 
 
+def test_e2e_pairs_trees_with_chains_by_prompt():
+    """Tree over chain: chain's summed latency over tree's on the prompts both finished, with an
+    interval from resampling prompts as pairs (a shared per-prompt cost cancels out of it)."""
+    from specla.bench import e2e
+
+    def rec(seconds, decode):
+        return {"seconds": seconds, "decode_seconds": decode}
+
+    # prompt lengths differ a lot (shared cost), the tree is 10% faster on every prompt
+    chain = {str(i): rec(1.0 + 3 * i, 0.5 + i) for i in range(12)}
+    tree = {i: rec(r["seconds"] / 1.1, r["decode_seconds"] / 1.1) for i, r in chain.items()}
+    tree["extra"] = rec(100.0, 50.0)  # only the tree finished it: not compared
+    out = e2e.paired({"tree": tree, "chain": chain}, "tree", "chain")
+    assert out["prompts"] == 12 and out["base"] == "chain"
+    assert out["speedup"] == pytest.approx(1.1) and out["decode_speedup"] == pytest.approx(1.1)
+    for key in ("speedup_ci95", "decode_speedup_ci95"):
+        lo, hi = out[key]
+        assert lo == pytest.approx(1.1) and hi == pytest.approx(1.1)  # paired: no spread at all
+    assert e2e.paired({"tree": tree, "chain": {}}, "tree", "chain") is None
+
+
 def test_e2e_summary_counts_generations_that_captured_inside_their_timing():
     from specla.bench import e2e
 

@@ -101,6 +101,22 @@ def _summarise(records: dict, route: str) -> dict:
     return out
 
 
+def paired(records: dict, route: str, base: str) -> dict | None:
+    """`route` against `base` on the prompts both finished: base's summed latency over route's,
+    end to end and decode only, with 95% bootstrap intervals over prompts (resampling the
+    prompts as pairs, so the two routes' shared per-prompt variation cancels). The drafter issue
+    asks whether trees beat chains beyond the intervals: this is that comparison."""
+    rt, bs = records.get(route, {}), records.get(base, {})
+    ids = sorted(set(rt) & set(bs))
+    if not ids:
+        return None
+    lat, lat_b = [rt[i]["seconds"] for i in ids], [bs[i]["seconds"] for i in ids]
+    dec, dec_b = [rt[i]["decode_seconds"] for i in ids], [bs[i]["decode_seconds"] for i in ids]
+    return {"base": base, "prompts": len(ids),
+            "speedup": sum(lat_b) / sum(lat), "speedup_ci95": bootstrap_ratio(lat_b, lat),
+            "decode_speedup": sum(dec_b) / sum(dec), "decode_speedup_ci95": bootstrap_ratio(dec_b, dec)}
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -185,6 +201,10 @@ def summarise(out_dir, name: str, suites, routes, max_new_tokens: int, complete:
         vals = found(key)
         if vals:
             result[key] = vals[0] if len(vals) == 1 else vals
+    for s in suites:  # trees against chains, paired by prompt
+        tree = result["suites"][s].get("tree")
+        if tree and tree.get("prompts") and "chain" in routes:
+            tree["over_chain"] = paired(records.get(s, {}), "tree", "chain")
     for s in suites:  # the reference row: one token per target call, its own output
         result["suites"][s]["ar"] = {"prompts": len(records.get(s, {}).get("ar", {})), "speedup": 1.0,
                                      "mean_accepted_length": 1.0, "first_token_match": None,
@@ -216,6 +236,12 @@ def _print(result: dict) -> None:
                       f"{100 * r['exact_match_rate']:.1f}% ({r['exact_reference']})")
     console = Console(width=140)
     console.print(t)
+    for suite, routes in result["suites"].items():
+        pair = routes.get("tree", {}).get("over_chain")
+        if pair:
+            (lo, hi), (dlo, dhi) = pair["speedup_ci95"], pair["decode_speedup_ci95"]
+            console.print(f"{suite}: tree over chain on {pair['prompts']} prompts {pair['speedup']:.3f} "
+                          f"[{lo:.3f}, {hi:.3f}], decode only {pair['decode_speedup']:.3f} [{dlo:.3f}, {dhi:.3f}]")
     for suite, routes in result["suites"].items():
         for route, r in routes.items():
             if r.get("timed_captures"):
