@@ -50,6 +50,7 @@ MODEL_TYPE = "specla_eagle"
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 DRAFTER_DIR = "drafter"  # a target checkpoint's drafter lives in <target>/drafter/
+PROMPT_CHUNK = 32  # graphed drafters extend over a prompt this many tokens a replay (`_extend_prompt`)
 
 
 def check_fits_target(cfg, target: ModelConfig) -> None:
@@ -353,18 +354,35 @@ class EagleDrafter(Drafter):
     # Drafter API ------------------------------------------------------------------------------
     @torch.no_grad()
     def extend(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], length: torch.Tensor) -> None:
+        if self.graphs and not self._drafting:
+            return self._extend_prompt(tokens, hidden, length)
         n = tokens.shape[1] - (0 if self.started else 1)
         if n > 0:
             self._reserve(n)  # host-side: may grow the cache (and drop the graphs over it)
-        # a round's accepted path replays a graph per width; prefill chunks (before the first
-        # proposal) run eagerly: a graph per prompt-chunk width would compile in the middle of
-        # a generation (2.1 s for a 2,077-token prompt's 28-token second chunk in bench e2e)
-        if self.graphs and self.started and self._drafting and n > 0:
+        # a round's accepted path replays a graph per width
+        if self.graphs and self.started and n > 0:
             self._extend_replay(tokens, hidden, length)
         else:
             self._extend(tokens, hidden, length)
         self._bound += max(n, 0)
         self.started = True
+
+    def _extend_prompt(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], length: torch.Tensor) -> None:
+        """The prompt's `extend` (before the first proposal), PROMPT_CHUNK tokens at a time from
+        one graph. Run eagerly it was ~2 ms of host time a prompt (H200 e2e of d302d7f: drafted
+        routes' prefill 14.1-14.4 ms against AR's 12.3), and a graph per chunk width would
+        compile in the middle of a generation (2.1 s for a 28-token chunk in bench e2e)."""
+        if not self.started:  # the first token has no feature before it: its own is pending
+            self.pending.copy_(self.model.features([hidden[i][:, :1] for i in self.capture])[:, 0])
+            self.started = True
+            tokens, hidden, length = tokens[:, 1:], {i: hidden[i][:, 1:] for i in self.capture}, length - 1
+        T, W = tokens.shape[1], PROMPT_CHUNK
+        for s in range(0, T, W):
+            n = min(W, T - s)
+            self._reserve(W)  # the graph writes all W slots; those past the length are scratch
+            self._extend_replay(tokens[:, s:s + n], {i: hidden[i][:, s:s + n] for i in self.capture},
+                                (length - s).clamp(0, n), width=W)
+            self._bound += n
 
     def _extend(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], length: torch.Tensor) -> None:
         """The device work of `extend` (the cache must have room: `_reserve`)."""
@@ -385,20 +403,24 @@ class EagleDrafter(Drafter):
         last = feats[torch.arange(feats.shape[0], device=feats.device), (length - 1).clamp(min=0)]
         self.pending.copy_(torch.where((length > 0)[:, None], last, self.pending) if self.started else last)
 
-    def _extend_replay(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], length: torch.Tensor) -> None:
-        """`_extend` of a round (started, the accepted path's width fixed by the target's node
-        budget) from a CUDA graph over static copies of its inputs, one graph per width."""
-        key = tokens.shape[1]
+    def _extend_replay(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], length: torch.Tensor,
+                       width: int | None = None) -> None:
+        """`_extend` (started) from a CUDA graph over static copies of its inputs, one graph per
+        width: a round's (the target's node budget) or the prompt chunks' (`width`, which a
+        narrower last chunk fills from the front; the rest is stale and past `length`)."""
+        B, n = tokens.shape
+        key = width or n
         if key not in self._extend_graphs:
-            static = (tokens.clone(), {i: hidden[i].clone() for i in self.capture}, torch.zeros_like(length))
+            static = (tokens.new_zeros(B, key), {i: hidden[i].new_zeros(B, key, hidden[i].shape[2]) for i in self.capture},
+                      torch.zeros_like(length))
             # warm-up and capture with zero lengths: the only writes land past the committed
             # length (cache slots the next extend or rollout overwrites); len and pending keep
             guard = self._graph_fns()[2]
             self._extend_graphs[key] = (graphs.capture(lambda: self._graph_fns()[1](*static), guard()), static)
         graph, (st_tok, st_hid, st_len) = self._extend_graphs[key]
-        st_tok.copy_(tokens)
+        st_tok[:, :n].copy_(tokens)
         for i in self.capture:
-            st_hid[i].copy_(hidden[i])
+            st_hid[i][:, :n].copy_(hidden[i])
         st_len.copy_(length)
         graph.replay()
 
