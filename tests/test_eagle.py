@@ -442,6 +442,8 @@ def test_graphed_drafting_equals_eager(monkeypatch, route):
         torch.testing.assert_close(eager.k[:, :, :n], graphed.k[:, :, :n], rtol=0, atol=1e-12)
     assert graphed.capacity > 16 and graphed._extend_graphs  # the cache grew; extend ran from a graph
     assert eagle.PROMPT_CHUNK in graphed._extend_graphs  # the prompt's chunks replayed a graph too
+    # a round's extend reads the accepted path's longest possible width, not the node budget
+    assert set(graphed._extend_graphs) - {eagle.PROMPT_CHUNK} == {graphed.depth + 1}
     # prefill in chunks of another width: no new extend graph (it would compile mid-generation)
     widths = set(graphed._extend_graphs)
     prompt = torch.tensor([make_prompt(cfg, 3, 14)])  # 20 tokens: chunks of 8, 8 and 3

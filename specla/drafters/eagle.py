@@ -356,6 +356,11 @@ class EagleDrafter(Drafter):
     def extend(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], length: torch.Tensor) -> None:
         if self.graphs and not self._drafting:
             return self._extend_prompt(tokens, hidden, length)
+        if self._drafting and tokens.shape[1] > self.depth + 1:
+            # a round's accepted path has at most depth + 1 nodes (the root, one a depth); the
+            # rest of the target's node budget is padding, which a tree's extend need not read
+            # (17 slots for the demo's 16-node trees, 9 for their paths)
+            tokens, hidden = tokens[:, :self.depth + 1], {i: hidden[i][:, :self.depth + 1] for i in self.capture}
         n = tokens.shape[1] - (0 if self.started else 1)
         if n > 0:
             self._reserve(n)  # host-side: may grow the cache (and drop the graphs over it)
