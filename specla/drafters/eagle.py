@@ -411,8 +411,8 @@ class EagleDrafter(Drafter):
     def _extend_replay(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], length: torch.Tensor,
                        width: int | None = None) -> None:
         """`_extend` (started) from a CUDA graph over static copies of its inputs, one graph per
-        width: a round's (the target's node budget) or the prompt chunks' (`width`, which a
-        narrower last chunk fills from the front; the rest is stale and past `length`)."""
+        width: a round's (depth + 1, the longest accepted path) or the prompt chunks' (`width`,
+        which a narrower last chunk fills from the front; the rest is stale and past `length`)."""
         B, n = tokens.shape
         key = width or n
         if key not in self._extend_graphs:
