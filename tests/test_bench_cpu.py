@@ -170,6 +170,8 @@ def test_e2e_shards_resume_and_summary(tmp_path, capsys):
             dec = {r: sum(x["decode_seconds"] for x in recs if x["suite"] == suite and x["route"] == r
                                    and x["id"] in ids) for r in ("ar", route)}
             assert s["decode_speedup"] == pytest.approx(dec["ar"] / dec[route])
+            pre = [x["prefill_seconds"] for x in recs if x["suite"] == suite and x["route"] == route and x["id"] in ids]
+            assert s["prefill_ms"] == pytest.approx(1e3 * sum(pre) / 3) and s["ar_prefill_ms"] > 0
     lines = _record_lines(tmp_path)
     assert len(lines) == 2 * 3 * 5  # suites x prompts x routes, each once
     assert {r["id"] for r in lines if r["suite"] == "gsm8k"} == {p.id for p in load_suite("gsm8k", limit=3)}
@@ -322,7 +324,7 @@ def test_e2e_summary_counts_generations_that_captured_inside_their_timing():
     from specla.bench import e2e
 
     def rec(captures, tokens=(1, 2, 3)):
-        return {"seconds": 1.0, "decode_seconds": 0.5, "mean_accepted_length": 2.0, "first_token_match": 1.0,
+        return {"seconds": 1.0, "decode_seconds": 0.5, "prefill_seconds": 0.5, "mean_accepted_length": 2.0, "first_token_match": 1.0,
                 "tokens": list(tokens), "captures": captures}
 
     records = {"ar": {"a": rec(0), "b": rec(2), "c": rec(0)}, "chain": {"a": rec(1), "b": rec(0), "c": rec(0)}}

@@ -90,6 +90,9 @@ def _summarise(records: dict, route: str) -> dict:
         "first_token_match_ci95": bootstrap_mean(ftm) if ftm else None,
         "exact_match_rate": sum(exact) / len(exact), "exact_reference": ref_name,
         "tokens_per_second": sum(len(rt[i]["tokens"]) for i in ids) / sum(lat),
+        # prefill per prompt, this route's and AR's on the same prompts (ms)
+        "prefill_ms": 1e3 * sum(rt[i]["prefill_seconds"] for i in ids) / len(ids),
+        "ar_prefill_ms": 1e3 * sum(ar[i]["prefill_seconds"] for i in ids) / len(ids),
         "commits": sorted({rt[i].get("commit") or "unknown" for i in ids}),
         "timed_captures": timed_captures(ids, rt, ar),
     }
@@ -222,7 +225,7 @@ def _print(result: dict) -> None:
     t = Table(title=f"end-to-end greedy decoding, {result['max_new_tokens']} new tokens "
                     f"({result.get('device', '?')}, {result.get('dtype', '?')})")
     for c in ("suite", "route", "prompts", "speedup over AR [95% CI]", "decode only", "τ", "first-token match",
-              "outputs equal (reference)"):
+              "outputs equal (reference)", "prefill ms (AR's)"):
         t.add_column(c)
     for suite, routes in result["suites"].items():
         for route, r in routes.items():
@@ -233,7 +236,8 @@ def _print(result: dict) -> None:
             t.add_row(suite, route, str(r["prompts"]), f"{r['speedup']:.3f} [{lo:.3f}, {hi:.3f}]",
                       f"{r['decode_speedup']:.3f}",
                       f"{r['mean_accepted_length']:.2f}", "" if ftm is None else f"{ftm:.2f}",
-                      f"{100 * r['exact_match_rate']:.1f}% ({r['exact_reference']})")
+                      f"{100 * r['exact_match_rate']:.1f}% ({r['exact_reference']})",
+                      f"{r['prefill_ms']:.1f} ({r['ar_prefill_ms']:.1f})")
     console = Console(width=140)
     console.print(t)
     for suite, routes in result["suites"].items():

@@ -375,7 +375,7 @@ class EagleDrafter(Drafter):
     def _extend_prompt(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], length: torch.Tensor) -> None:
         """The prompt's `extend` (before the first proposal), PROMPT_CHUNK tokens at a time from
         one graph. Run eagerly it was ~2 ms of host time a prompt (H200 e2e of d302d7f: drafted
-        routes' prefill 14.1-14.4 ms against AR's 12.3), and a graph per chunk width would
+        routes' prefill 12.7-12.9 ms a prompt against AR's 11.0), and a graph per chunk width would
         compile in the middle of a generation (2.1 s for a 28-token chunk in bench e2e)."""
         if not self.started:  # the first token has no feature before it: its own is pending
             self.pending.copy_(self.model.features([hidden[i][:, :1] for i in self.capture])[:, 0])
