@@ -146,6 +146,18 @@ def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, chain
     return hybrid.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, **TILING)
 
 
+def ancestor_closure(parents, width=None):
+    """`schedule.ancestor_closure`: one Triton launch (`gdn/closure.py`) where Triton runs, up to
+    64 nodes; the reference's batched matmuls elsewhere."""
+    if use_triton(parents) and (width or parents.shape[1]) <= 64:
+        from specla.ops.gdn import closure
+
+        return closure.ancestor_closure(parents, width)
+    from specla.ops.gdn import schedule
+
+    return schedule.ancestor_closure(parents, width)
+
+
 def gdn_commit(state, k, g, u, path, length):
     if not _gdn_triton(state):
         return gdn_ref.gdn_commit(state, k, g, u, path, length)

@@ -30,7 +30,7 @@ back: the verify is also the flush. `valid` [B]: nodes from valid[b] on are padd
 and u are written as zeros and the solve stops at the deepest real node.
 
 The nodes are padded to NT = max(16, next power of two ≥ n) (`tl.dot` needs dims ≥ 16); M̄
-comes from `schedule.ancestor_closure` (on the device, cached per parent array, so shared by
+comes from `ops.ancestor_closure` (on the device, cached per parent array, so shared by
 every layer of a round and capturable). Needs K, V ≥ 16. Registers grow as NT²: meant for
 draft trees (n ≤ 64).
 

@@ -4,7 +4,8 @@ Everything here is built with batched torch ops on the parent array's own device
 host sync, so the same code runs inside a CUDA-graph capture and the schedule replays as data.
 
 - `ancestor_closure`: M̄[b, j, i] = 1 iff i is j or an ancestor of j (the tree mask of the UT form);
-  `closure` runs it as the Triton kernel of `closure.py` where Triton runs.
+  the plans build it through `ops.ancestor_closure` (the Triton kernel of `closure.py` where
+  Triton runs).
 - `hld_schedule`: heavy-light decomposition into node-disjoint chains (the hybrid verifier's
   schedule), equal to `specla.topology.heavy_light_chains` row by row.
 - `SERIAL_COST`/`prefer_serial`: a cost model that sends a row to one serial pass (one
@@ -21,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from specla import ops
 
 
 def ancestor_closure(parents: torch.Tensor, width: int | None = None) -> torch.Tensor:
@@ -39,17 +42,6 @@ def ancestor_closure(parents: torch.Tensor, width: int | None = None) -> torch.T
     if W > n:
         R = torch.nn.functional.pad(R, (0, W - n, 0, W - n))
     return R
-
-
-def closure(parents: torch.Tensor, width: int | None = None) -> torch.Tensor:
-    """`ancestor_closure`, by the Triton kernel (`closure.py`, one launch) where Triton runs."""
-    from specla import ops
-
-    if ops.use_triton(parents) and (width or parents.shape[1]) <= 64:
-        from specla.ops.gdn import closure as closure_triton
-
-        return closure_triton.ancestor_closure(parents, width)
-    return ancestor_closure(parents, width)
 
 
 @dataclass
@@ -150,7 +142,7 @@ def hld_schedule(parents: torch.Tensor, fallback: bool = False, cost: dict | Non
     B, n = parents.shape
     dev = parents.device
     idx = torch.arange(n, device=dev)
-    M = closure(parents)
+    M = ops.ancestor_closure(parents)
     is_head, _ = _heads(parents, M)
     depth = M.sum(2).long() - 1
     par = parents[:, 1:].clamp(min=0)
@@ -227,7 +219,7 @@ class Plan:
 
     def closure(self, parents: torch.Tensor, width: int) -> torch.Tensor:
         if width not in self._closure:
-            self._closure[width] = closure(parents, width)
+            self._closure[width] = ops.ancestor_closure(parents, width)
         return self._closure[width]
 
     def hld(self, parents: torch.Tensor, fallback: bool = False) -> HybridSchedule:
