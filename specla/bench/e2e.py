@@ -74,17 +74,12 @@ def _summarise(records: dict, route: str) -> dict:
     ids = sorted(set(ar) & set(rt) & set(ref))
     if not ids:
         return {"prompts": 0}
-    lat_ar = [ar[i]["seconds"] for i in ids]
     lat = [rt[i]["seconds"] for i in ids]
-    dec_ar = [ar[i]["decode_seconds"] for i in ids]  # without prefill (and target setup)
-    dec = [rt[i]["decode_seconds"] for i in ids]
     tau = [rt[i]["mean_accepted_length"] for i in ids]
     ftm = [rt[i]["first_token_match"] for i in ids if rt[i]["first_token_match"] is not None]
     exact = [float(rt[i]["tokens"] == ref[i]["tokens"]) for i in ids]
     out = {
-        "prompts": len(ids),
-        "speedup": sum(lat_ar) / sum(lat), "speedup_ci95": bootstrap_ratio(lat_ar, lat),
-        "decode_speedup": sum(dec_ar) / sum(dec), "decode_speedup_ci95": bootstrap_ratio(dec_ar, dec),
+        "prompts": len(ids), **_speedups(rt, ar, ids),
         "mean_accepted_length": sum(tau) / len(tau), "mean_accepted_length_ci95": bootstrap_mean(tau),
         "first_token_match": sum(ftm) / len(ftm) if ftm else None,
         "first_token_match_ci95": bootstrap_mean(ftm) if ftm else None,
@@ -111,13 +106,17 @@ def paired(records: dict, route: str, base: str) -> dict | None:
     asks whether trees beat chains beyond the intervals: this is that comparison."""
     rt, bs = records.get(route, {}), records.get(base, {})
     ids = sorted(set(rt) & set(bs))
-    if not ids:
-        return None
-    lat, lat_b = [rt[i]["seconds"] for i in ids], [bs[i]["seconds"] for i in ids]
-    dec, dec_b = [rt[i]["decode_seconds"] for i in ids], [bs[i]["decode_seconds"] for i in ids]
-    return {"base": base, "prompts": len(ids),
-            "speedup": sum(lat_b) / sum(lat), "speedup_ci95": bootstrap_ratio(lat_b, lat),
-            "decode_speedup": sum(dec_b) / sum(dec), "decode_speedup_ci95": bootstrap_ratio(dec_b, dec)}
+    return {"base": base, "prompts": len(ids), **_speedups(rt, bs, ids)} if ids else None
+
+
+def _speedups(rt: dict, base: dict, ids: list) -> dict:
+    """base's summed latency over rt's on these prompts, end to end and decode only (prefill and
+    target setup excluded), with 95% bootstrap intervals over the prompts."""
+    out = {}
+    for prefix, key in (("", "seconds"), ("decode_", "decode_seconds")):
+        num, den = [base[i][key] for i in ids], [rt[i][key] for i in ids]
+        out[prefix + "speedup"], out[prefix + "speedup_ci95"] = sum(num) / sum(den), bootstrap_ratio(num, den)
+    return out
 
 
 def plot(result: dict, path: Path) -> None:
