@@ -376,8 +376,11 @@ def test_bench_kernels_runs_every_section_on_cpu(tmp_path):
     from specla.bench import kernels
 
     res = kernels.run(str(tmp_path), device="cpu", quick=True)
-    for key in ("table1", "cost_fit", "state_commit", "fused", "chain", "correctness"):
+    for key in ("table1", "cost_fit", "commit", "fused", "chain", "correctness"):
         assert "error" not in res[key] if isinstance(res[key], dict) else res[key], key
     assert {"topk", "depth", "nodes", "r2l_ms", "serial_ms", "parallel_ms", "hybrid_ms"} <= set(res["table1"][0])
+    assert {"length", "replay_ms", "factor_ms"} <= set(res["commit"][0])
+    assert {"accepted", "separate_ms", "fused_ms", "verify_only_ms"} <= set(res["fused"][0])
+    assert {"T", "ms", "floor_ms"} <= set(res["chain"][0])
     assert set(res["cost_fit"]["current"]) == {"node", "restore", "hybrid_fixed", "hybrid_node"}
     assert json.loads((tmp_path / "kernels_cpu_smoke.json").read_text())["goals"] == res["goals"]

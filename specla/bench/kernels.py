@@ -3,10 +3,10 @@
     python -m specla.bench.kernels                     # H200: writes benchmarks/results/kernels.{json,png}
     python -m specla.bench.kernels --device cpu --quick  # smoke test under Triton's interpreter
 
-JSON keys: device, versions, commit (git sha), date, shape, copy_bandwidth_Bps, correctness,
-tiling (serial/hybrid tile sweep) and tiling_used, table1, cost_fit (the serial/hybrid cost
-model refitted to table1), state_commit (token replay vs factor
-commit), fused, chain, picked, goals, bench_seconds.
+JSON keys: device, versions, code_commit (git sha: the key `commit` holds Fig 11a's rows, as the
+kernels issue names them), date, shape, copy_bandwidth_Bps, correctness, tiling (serial/hybrid
+tile sweep) and tiling_used, table1, cost_fit (the serial/hybrid cost model refitted to
+table1), commit (token replay vs factor commit), fused, chain, picked, goals, bench_seconds.
 
 `picked` records every choice the run made from its own sweeps: the tiling of Table 1 and the
 hybrid, the chain kernel's tiling per T, the tilings of the delayed-update section (verify alone
@@ -479,8 +479,8 @@ def goals(result: dict) -> dict:
             r["paper_hybrid_x"] is None or r["parallel_x"] >= r["paper_hybrid_x"] for r in result["table1"])
         g["hybrid_auto_not_slower_than_serial"] = all(r["hybrid_auto_ms"] <= r["serial_ms"] for r in result["table1"])
         g["dispatch_not_slower_than_serial"] = all(r["dispatch_ms"] <= r["serial_ms"] for r in result["table1"])
-    if ok("state_commit"):
-        g["factor_commit_at_least_10x_replay"] = all(r["speedup_x"] >= 10 for r in result["state_commit"])
+    if ok("commit"):
+        g["factor_commit_at_least_10x_replay"] = all(r["speedup_x"] >= 10 for r in result["commit"])
     if ok("fused"):
         g["fused_within_5pct_of_verify"] = all(r["fused_over_verify"] <= 1.05 for r in result["fused"])
     if ok("chain") and all(r["fla_ms"] is not None for r in result["chain"]):
@@ -518,7 +518,7 @@ def _print(result: dict) -> None:
     table("Table 1: tree verification, 24 layers (x = speedup over R2L)", result.get("table1"),
           ["topk", "depth", "nodes", "leaves", "r2l_ms", "serial_ms", "parallel_ms", "hybrid_ms", "hybrid_auto_ms",
            "hybrid_schedule", "serial_x", "parallel_x", "hybrid_x", "paper_hybrid_x"])
-    table("accepted-state recovery, 24 layers", result.get("state_commit"),
+    table("accepted-state recovery, 24 layers", result.get("commit"),
           ["length", "replay_ms", "factor_ms", "gdn_commit_ms", "speedup_x"])
     table("delayed update, verify 4-draft chain, per layer", result.get("fused"),
           ["accepted", "separate_ms", "fused_ms", "verify_only_ms", "fused_over_verify", "verify_config",
@@ -548,8 +548,8 @@ def _plot(result: dict, path: Path) -> None:
         ax[0, 0].set_ylabel("speedup over R2L")
         ax[0, 0].set_title("tree verification, 24 layers")
         ax[0, 0].legend()
-    if ran("state_commit"):
-        c = result["state_commit"]
+    if ran("commit"):
+        c = result["commit"]
         ax[0, 1].plot([r["length"] for r in c], [r["replay_ms"] for r in c], "o-", label="token replay")
         ax[0, 1].plot([r["length"] for r in c], [r["factor_ms"] for r in c], "o-", label="factor commit")
         ax[0, 1].set_yscale("log")
@@ -575,7 +575,7 @@ def _plot(result: dict, path: Path) -> None:
         ax[1, 1].set_ylabel("µs per layer")
         ax[1, 1].set_title("chain verification")
         ax[1, 1].legend()
-    fig.suptitle(f"{result['device']} — {result['date']} — {(result['commit'] or '')[:10]}")
+    fig.suptitle(f"{result['device']} — {result['date']} — {(result['code_commit'] or '')[:10]}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -612,8 +612,10 @@ def run(out_dir: str = "benchmarks/results", device: str = "cuda", quick: bool =
         (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
         return result[name]
 
+    env = environment()
+    env["code_commit"] = env.pop("commit")
     result = {
-        **environment(),
+        **env,
         "shape": {"H": bench.H, "HV": bench.HV, "K": bench.K, "V": bench.V, "layers": bench.layers,
                   "activations": str(bench.act), "state": "torch.float32"},
         "timing": "CUDA graph replay, median of triton.testing.do_bench (L2 flushed)" if bench.cuda else "CPU interpreter, meaningless",
@@ -626,7 +628,7 @@ def run(out_dir: str = "benchmarks/results", device: str = "cuda", quick: bool =
     rows = section("table1", table1, bench, tiling)
     if isinstance(rows, list):
         section("cost_fit", cost_fit, rows, bench.layers)
-    section("state_commit", commit_section, bench)
+    section("commit", commit_section, bench)
     section("fused", fused_section, bench, tiling)
     if isinstance(bandwidth, float):
         section("chain", chain_section, bench, tiling, bandwidth)
