@@ -146,10 +146,14 @@ def test_e2e_shards_resume_and_summary(tmp_path, capsys):
     (tmp_path / "e2e.records.1of2.jsonl.gz").write_bytes(gzip.compress(shard1.read_bytes()))
     shard1.unlink()
     capsys.readouterr()
+    measured = json.loads((tmp_path / "e2e.json").read_text())
     res = e2e.run(**kw, summary_only=True)
     printed = capsys.readouterr().out
     assert "chain+exact" in printed and "(ar+exact)" in printed  # the summary table
     data = json.loads((tmp_path / "e2e.json").read_text())
+    # every prompt of both shards is recorded; the measuring run's date, model and shard stay
+    assert data["complete"] is True
+    assert {k: data[k] for k in ("date", "model", "shard")} == {k: measured[k] for k in ("date", "model", "shard")}
     assert data["device"] == "cpu" and data["dtype"] == "float32" and (tmp_path / "e2e.png").stat().st_size > 0
     for suite in ("gsm8k", "humaneval"):
         assert data["suites"][suite]["ar"]["prompts"] == 3

@@ -264,12 +264,19 @@ def run(model_dir=None, suites=SUITES, routes=BASE_ROUTES, limit: int | None = N
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    records = _load_records(out_dir, name)
     if summary_only:
-        return summarise(out_dir, name, suites, routes, max_new_tokens, complete=False)
+        # complete when every shard's work is recorded; the measuring run's date, model and shard
+        # stay (a summary written later on another machine is not a new measurement)
+        left = any(w[2].id not in records.get(w[1], {}).get(w[3], {})
+                   for w in _work(suites, routes, limit, fla_limit, (0, 1)))
+        previous = out_dir / f"{name}.json"
+        kept = json.loads(previous.read_text()) if previous.exists() else {}
+        extra = {key: kept[key] for key in ("date", "model", "shard") if key in kept}
+        return summarise(out_dir, name, suites, routes, max_new_tokens, complete=not left, extra=extra)
     start = time.time()
     k, n = shard
     log_path = out_dir / (f"{name}.records.jsonl" if n == 1 else f"{name}.records.{k}of{n}.jsonl")
-    records = _load_records(out_dir, name)
     todo = [w for w in _work(suites, routes, limit, fla_limit, shard)
             if w[2].id not in records.get(w[1], {}).get(w[3], {})]
     if not todo:  # everything of this shard is recorded: no model to load, nothing to warm
