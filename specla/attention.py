@@ -36,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from specla import topology
+from specla.graphs import capturing
 from specla.config import ModelConfig
 from specla.errors import UnsupportedConfigError
 from specla.state import KVLayerState, KVRecord
@@ -138,9 +139,9 @@ class GatedAttention(nn.Module):
         pos = cache_length[:, None] + ar[None, :]  # [B, T]
         q, gate, k, v = self._qkv(h, pos)
         self._store(st, pos, k, v)
-        if T > 1:
-            # prefill (never graph-captured): one host sync bounds the keys, so the mask stays
-            # [T, length] instead of [T, L_max]; single-token steps keep the static shape
+        if T > 1 and not capturing():
+            # an eager prefill: one host sync bounds the keys, so the mask stays [T, length]
+            # instead of [T, L_max]; steps and graph-captured prefill chunks keep the static shape
             L = min(L, int(cache_length.max()) + T)
         mask = torch.arange(L, device=h.device)[None, None, :] <= pos[:, :, None]  # [B, T, L]
         return self._output(self._attend(q, st.k[:, :, :L], st.v[:, :, :L], mask), gate)

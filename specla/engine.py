@@ -28,10 +28,13 @@ from specla.drafters.base import pad_draft
 from specla.model import Model, ModelOutput
 from specla.state import Cache, GDNLayerState
 
-# GraphTarget's prefill of prompts shorter than ops.CHUNK_MIN_TOKENS: chains of this many tokens,
-# each verified and committed in one graph replay (a short prompt cost ~9 ms of host time on the
-# plain path, 2026-12-02 H200 e2e: a compiled region call per layer and phase). 32 keeps the
-# verify's conv and factors in one kernel (ops' TREE_PRELUDE_MAX_NODES).
+# GraphTarget's prefill: a prompt shorter than ops.CHUNK_MIN_TOKENS goes as chains of
+# PREFILL_WIDTH tokens, each verified and committed in one graph replay; a longer one as plain
+# sequences of ops.CHUNK_MIN_TOKENS tokens (fla's chunk kernel), the last padded, one replay each.
+# 2026-12-02 H200 e2e, demo pair: the plain path cost ~8 ms a prompt below 512 tokens and a
+# median ~25 ms from 512 on, nearly all host time (a compiled region call per layer and phase);
+# a chain replay costs 0.63 ms a 32-token chunk. 32 keeps the verify's conv and factors in one
+# kernel (ops' TREE_PRELUDE_MAX_NODES).
 PREFILL_WIDTH = 32
 # `SPECLA_PREFILL=plain`: every prefill takes the plain forward (the A/B switch for benchmarks)
 PREFILL = os.environ.get("SPECLA_PREFILL", "graph")
@@ -203,7 +206,7 @@ class GraphTarget(EagerTarget):
         self.length = torch.zeros(batch, dtype=torch.long, device=dev)
         self.graphs: dict = {}
         self.records, self.verify_key = None, None
-        self._prefill_buffers = None  # tokens, parents, path, valid of a prefill chunk (`prefill`)
+        self._prefill_buffers: dict = {}  # chunk width -> its tokens, parents, path, valid (`prefill`)
         # greedy acceptance walks the nodes one by one (~8 small ops per node) and settling a
         # round is ~40 more; beside a fused model both are compiled: a few kernels per graph
         self._accept, _ = fused.compile_for_graph(acceptance.greedy, fused.mode_of(model))
@@ -229,30 +232,38 @@ class GraphTarget(EagerTarget):
         with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
             saved = self._snapshot()
             fused = getattr(self.model, "_fused", None)  # the fused path must not compile in a capture
-            graph = graphs.capture(fn, fused.capturing() if fused is not None else None)
-            for t, backup in saved:
-                t.copy_(backup)
+            try:
+                graph = graphs.capture(fn, fused.capturing() if fused is not None else None)
+            finally:
+                for t, backup in saved:
+                    t.copy_(backup)
         self.graphs[key] = (graph, graph.out)
         return self.graphs[key]
 
     def prefill(self, tokens, capture=()):
-        """A prompt shorter than ops.CHUNK_MIN_TOKENS is consumed PREFILL_WIDTH tokens at a time,
-        each chunk a padded chain verified and committed in one graph (`valid` stops the
-        recurrence and the commit at its real length). Longer prompts, and `SPECLA_PREFILL=plain`,
-        take the plain forward (fla's chunk kernel from ops.CHUNK_MIN_TOKENS on)."""
+        """The prompt in fixed-width chunks, one graph replay each (see PREFILL_WIDTH): below
+        ops.CHUNK_MIN_TOKENS padded chains verified and committed, from there plain sequences
+        of that width; `valid` stops the recurrence, the conv and the commit at a chunk's real
+        length. `SPECLA_PREFILL=plain` takes the plain forward, as does a long prompt whose
+        padding would not fit the K/V caches."""
         B, T = tokens.shape
-        if PREFILL == "plain" or T >= ops.CHUNK_MIN_TOKENS:
+        chain = T < ops.CHUNK_MIN_TOKENS
+        W = PREFILL_WIDTH if chain else ops.CHUNK_MIN_TOKENS
+        if PREFILL == "plain" or not (chain or self._room(T, W)):
             return super().prefill(tokens, capture)
-        W, dev = PREFILL_WIDTH, self.model.device
-        if self._prefill_buffers is None:
-            self._prefill_buffers = (torch.zeros(B, W, dtype=torch.long, device=dev),
-                                     torch.arange(-1, W - 1, device=dev).expand(B, -1).contiguous(),
-                                     torch.arange(W, device=dev).expand(B, -1).contiguous(),
-                                     torch.zeros(B, dtype=torch.long, device=dev))
-        tok, par, path, valid = self._prefill_buffers
-        key = ("prefill", tuple(capture))
+        dev = self.model.device
+        if W not in self._prefill_buffers:
+            self._prefill_buffers[W] = (torch.zeros(B, W, dtype=torch.long, device=dev),
+                                        torch.arange(-1, W - 1, device=dev).expand(B, -1).contiguous(),
+                                        torch.arange(W, device=dev).expand(B, -1).contiguous(),
+                                        torch.zeros(B, dtype=torch.long, device=dev))
+        tok, par, path, valid = self._prefill_buffers[W]
+        key = ("prefill", W, tuple(capture))
 
         def run():
+            if not chain:
+                out = self.model.forward(tok, self.cache, capture, valid)
+                return out.logits, out.hidden
             out = self._model_verify(tok, par, capture, True, valid)
             self.cache.commit(out.records, path, valid, False)
             return out.logits, out.hidden
@@ -268,6 +279,12 @@ class GraphTarget(EagerTarget):
             for i in capture:
                 hidden[i].append(hid[i][:, :n].clone())
         return ModelOutput(torch.cat(logits, 1), {i: torch.cat(h, 1) for i, h in hidden.items()})
+
+    def _room(self, T: int, W: int) -> bool:
+        """Whether T tokens padded to whole W-token chunks fit every K/V cache (a plain chunk
+        writes K/V at all its positions; one host read, before the prefill's first replay)."""
+        sizes = [st.k.shape[2] for st in self.cache.layers if not isinstance(st, GDNLayerState)]
+        return not sizes or int(self.cache.length.max()) + -(-T // W) * W <= min(sizes)
 
     def step(self, root):
         self.root.copy_(root)

@@ -16,6 +16,11 @@ def captured() -> int:
     return _captured
 
 
+def capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a graph (no host reads then)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def capture(fn, guard=None) -> torch.cuda.CUDAGraph:
     """fn warmed up twice on a side stream (lazy caches, cuBLAS workspaces, kernel compilation
     happen there), then captured on the current device; `graph.out` is what the capture

@@ -91,12 +91,22 @@ class GatedDeltaNet(nn.Module):
         y = gated_rms_norm(o, zz, self.o_norm_weight, self.cfg.norm_eps, self.cfg.gate_activation)
         return self.o_proj(y.reshape(B, n, -1).to(dtype))
 
-    def forward(self, h, st: GDNLayerState):
+    def forward(self, h, st: GDNLayerState, valid=None):
         """Consume h as a plain sequence from the committed state: the caller flushes any
-        pending update first (`Cache.flush`, as `Model.forward` does)."""
+        pending update first (`Cache.flush`, as `Model.forward` does). `valid` [B]: only the
+        first valid[b] tokens are real; the padding after them leaves both states as they were."""
         x, z, a, b = self._project(h)
-        xc = ops.conv_sequence(x, st.conv, self.conv_weight, self.conv_bias) if st.conv is not None else F.silu(x)
+        if st.conv is None:
+            xc = F.silu(x)
+        else:
+            tail = None if valid is None else _conv_tail(st.conv, x, valid)
+            xc = ops.conv_sequence(x, st.conv, self.conv_weight, self.conv_bias)
+            if tail is not None:
+                st.conv.copy_(tail)
         q, k, v, g, beta = self._factors(xc, a, b, st.S.dtype)
+        if valid is not None:  # a padding token neither decays (g = 0) nor writes (β = 0) the state
+            real = (torch.arange(h.shape[1], device=h.device)[None] < valid[:, None])[..., None]
+            g, beta = g * real, beta * real
         o = ops.gdn_sequence(q, k, v, g, beta, st.S, self.scale)
         return self._output(o, z, h.dtype)
 
@@ -129,6 +139,14 @@ class GatedDeltaNet(nn.Module):
         return self._output(o, z, h.dtype), rec
 
 
+def _conv_tail(conv_state, x, valid):
+    """The conv state [B, C, W-1] after the first valid[b] inputs of x [B, T, C]: the last W-1
+    inputs of the state's history followed by them."""
+    hist = torch.cat([conv_state.to(x.dtype), x.transpose(1, 2)], 2)  # [B, C, W-1+T], oldest first
+    idx = valid[:, None] + torch.arange(conv_state.shape[2], device=x.device)[None]
+    return hist.gather(2, idx[:, None].expand(-1, hist.shape[1], -1)).to(conv_state.dtype)
+
+
 def make_mixer(cfg: ModelConfig, layer: int) -> nn.Module:
     if cfg.layer_types[layer] == ATTENTION:
         from specla.attention import GatedAttention
@@ -159,8 +177,8 @@ class Block(nn.Module):
         topology `parents` (`Model.verify`). Returns (x, the verify's record or None)."""
         h = self.attn_norm(x)
         kv = isinstance(st, KVLayerState)
-        if parents is None:
-            o, rec = (self.mixer(h, st, cache_length) if kv else self.mixer(h, st)), None
+        if parents is None:  # padding past `valid` is harmless to K/V: later slots are rewritten
+            o, rec = (self.mixer(h, st, cache_length) if kv else self.mixer(h, st, valid)), None
         else:
             o, rec = (self.mixer.verify(h, parents, st, cache_length, chain) if kv
                       else self.mixer.verify(h, parents, st, chain, valid))
@@ -220,19 +238,22 @@ class Model(nn.Module):
         return self.lm_head(self.norm(x))
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, cache: Cache, capture: tuple[int, ...] = ()) -> ModelOutput:
-        """Consume tokens [B, T] as a plain sequence, advancing `cache` by T."""
+    def forward(self, tokens: torch.Tensor, cache: Cache, capture: tuple[int, ...] = (),
+                valid: torch.Tensor | None = None) -> ModelOutput:
+        """Consume tokens [B, T] as a plain sequence, advancing `cache` by T; with `valid` [B]
+        (a padded chunk of a graph-captured prefill, `GraphTarget.prefill`) by valid[b]: the
+        padding leaves every state as it was and its outputs are not meaningful."""
         fused = getattr(self, "_fused", None)
-        if fused is not None and fused.takes(tokens, verify=False):
+        if valid is None and fused is not None and fused.takes(tokens, verify=False):
             return fused.forward(tokens, cache, capture)
         cache.flush()  # a plain sequence starts from the committed state (free when clean)
         x = self.embeddings(tokens)
         hidden = {}
         for i, blk in enumerate(self.layers):
-            x, _ = blk.run(x, cache.layers[i], cache.length)
+            x, _ = blk.run(x, cache.layers[i], cache.length, valid=valid)
             if i in capture:
                 hidden[i] = x
-        cache.length.add_(tokens.shape[1])
+        cache.length.add_(tokens.shape[1] if valid is None else valid)
         return self._head(x, hidden)
 
     @torch.no_grad()

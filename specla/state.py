@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from specla import ops
+from specla.graphs import capturing
 
 
 @dataclass
@@ -191,7 +192,7 @@ class Cache:
 
     def flush(self) -> "Cache":
         """Apply every pending accepted update; afterwards S equals AR's state."""
-        if not self.clean or _capturing():
+        if not self.clean or capturing():
             for s in self.layers:
                 if isinstance(s, GDNLayerState):
                     s.flush()
@@ -210,7 +211,7 @@ class Cache:
             self.clean = False
             bank = self.bank
             if bank is None or not bank.attached(self) or not bank.fits(records, path):
-                if _capturing():
+                if capturing():
                     # new buffers inside a capture would leave the verify graph reading stale ones
                     raise RuntimeError("Cache.commit: the pending buffers do not fit this commit "
                                        f"(path {tuple(path.shape)}) during CUDA graph capture")
@@ -244,10 +245,6 @@ class Cache:
             else:
                 layers.append(KVLayerState(s.k.clone(), s.v.clone()))
         return Cache(layers, self.length.clone())
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _commit_kv(s: KVLayerState, rec: KVRecord, path, length, start) -> None:

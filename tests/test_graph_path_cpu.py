@@ -90,7 +90,7 @@ def test_graph_prefill_equals_the_plain_forward(graph_path, monkeypatch):
     for budget, delayed in ((1, False), (9, True)):
         target = GraphTarget(model, 1, 64, budget, delayed)
         out = target.prefill(prompt, capture=(0,))
-        assert ("prefill", (0,)) in target.graphs
+        assert ("prefill", 4, (0,)) in target.graphs
         torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out.hidden[0], ref.hidden[0], rtol=1e-5, atol=1e-5)
         assert torch.equal(target.cache.length, ref_cache.length)
@@ -102,3 +102,47 @@ def test_graph_prefill_equals_the_plain_forward(graph_path, monkeypatch):
     target = GraphTarget(model, 1, 64, 1, False)
     target.prefill(prompt)
     assert not target.graphs
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_long_prompt_graph_prefill_equals_the_plain_forward(monkeypatch, hybrid):
+    """From ops.CHUNK_MIN_TOKENS tokens on, `GraphTarget.prefill` replays plain sequences of that
+    width, the last one padded and masked by `valid` (4 + 4 + 2 tokens here, after a first
+    prompt so the chunks start mid-cache): logits, features, GDN and conv states, K/V and the
+    length equal the plain forward's. A prompt whose padding would overrun the K/V caches takes
+    the plain forward."""
+    from specla import engine
+    from specla.config import ATTENTION, GDN
+
+    emulate_graphs(monkeypatch)
+    monkeypatch.setattr(ops, "CHUNK_MIN_TOKENS", 4)
+    over = dict(layer_types=[GDN, ATTENTION], attn_num_heads=2, attn_num_kv_heads=1, attn_head_dim=8) if hybrid else {}
+    cfg = tiny_config(5, num_hidden_layers=2, use_short_conv=True, **over)
+    model = random_model(cfg, 5, dtype=torch.float64)
+    first = torch.tensor([_prompt(cfg.vocab_size, 1, length=4)])  # 6 tokens
+    prompt = torch.tensor([_prompt(cfg.vocab_size, 2, length=7)])  # 10 tokens
+    ref_cache = model.new_cache(1, max_len=64)
+    model.forward(first, ref_cache)
+    ref = model.forward(prompt, ref_cache, capture=(0,))
+    for budget, delayed in ((1, False), (9, True)):
+        target = GraphTarget(model, 1, 64, budget, delayed)
+        target.prefill(first)
+        out = target.prefill(prompt, capture=(0,))
+        assert ("prefill", 4, (0,)) in target.graphs
+        torch.testing.assert_close(out.logits, ref.logits, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(out.hidden[0], ref.hidden[0], rtol=1e-10, atol=1e-10)
+        assert torch.equal(target.cache.length, ref_cache.length)
+        for got, want in zip(target.cache.layers, ref_cache.layers):
+            if isinstance(want, engine.GDNLayerState):
+                torch.testing.assert_close(got.S, want.S, rtol=1e-10, atol=1e-10)
+                torch.testing.assert_close(got.conv, want.conv, rtol=1e-10, atol=1e-10)
+            else:  # the padding's K/V lie past the length, where the next tokens write
+                n = int(ref_cache.length)
+                torch.testing.assert_close(got.k[:, :, :n], want.k[:, :, :n], rtol=1e-10, atol=1e-10)
+                torch.testing.assert_close(got.v[:, :, :n], want.v[:, :, :n], rtol=1e-10, atol=1e-10)
+    if hybrid:  # 9 + 12 padded positions overrun a 20-slot cache: the plain forward, no graph
+        target = GraphTarget(model, 1, 20, 1, False)
+        target.prefill(torch.tensor([_prompt(cfg.vocab_size, 3, length=6)]))
+        target.prefill(prompt, capture=(0,))
+        assert ("prefill", 4, ()) in target.graphs and ("prefill", 4, (0,)) not in target.graphs
+        assert int(target.cache.length) == 19

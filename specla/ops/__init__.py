@@ -109,9 +109,10 @@ def _gdn_triton(state: torch.Tensor) -> bool:
 
 
 # From this many tokens on, a plain sequence goes to fla's chunk (prefill) kernel. Its GPU cost
-# is small (~26 us per layer in graph replay, DESIGN §6), but prefill is never replayed: called
-# eagerly it spends ~1 ms of host time per layer in fla's wrappers and autotuner lookups (H200
-# profile, 2026-12-01), where the serial kernel is one launch at ~1 us per token.
+# is small (~26 us per layer in graph replay, DESIGN §6); called eagerly it spends ~1 ms of host
+# time per layer in fla's wrappers and autotuner lookups (H200 profile, 2026-12-01), where the
+# serial kernel is one launch at ~1 us per token. `GraphTarget.prefill` replays chunks of this
+# width from a graph.
 CHUNK_MIN_TOKENS = 512
 
 

@@ -273,6 +273,22 @@ def test_gdn_sequence_long_on_fla_chunk(fla_chunk_cpu, monkeypatch):
     assert (o - ro).abs().max() < 1e-4 and (S_out - S_ref).abs().max() < 1e-4
 
 
+def test_fla_chunk_ignores_masked_padding(fla_chunk_cpu, monkeypatch):
+    """A graph prefill's last chunk (`GatedDeltaNet.forward` with `valid`): padding tokens with
+    g = 0 and β = 0 leave fla's chunk kernel with the state of the real tokens alone, and the
+    real tokens' outputs unchanged."""
+    monkeypatch.setattr(ops, "CHUNK_MIN_TOKENS", 64)
+    T, n = ops.CHUNK_MIN_TOKENS + 6, 45  # two chunks of the kernel, the real tokens end in the first
+    q, k, v, g, beta, S = inputs(1, T, 1, 2, 16, 16, 7)
+    real = (torch.arange(T) < n)[None, :, None]
+    S_pad, S_cut = S.clone(), S.clone()
+    with ops.backend("triton"):
+        o_pad = ops.gdn_sequence(q, k, v, g * real, beta * real, S_pad, 0.25)
+        monkeypatch.setattr(ops, "CHUNK_MIN_TOKENS", n)  # the real tokens alone, on the same kernel
+        o_cut = ops.gdn_sequence(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], S_cut, 0.25)
+    assert (o_pad[:, :n] - o_cut).abs().max() < 1e-5 and (S_pad - S_cut).abs().max() < 1e-5
+
+
 def test_model_rounds_on_triton_match_torch():
     """A tiny model: verify (tree, then chain) with delayed commits, Triton vs torch dispatch."""
     from specla.shapes import random_model
