@@ -378,7 +378,8 @@ class FusedModel:
 
     def __init__(self, model, mode: str = "default", concat_mlp: bool = True, max_shapes: int = 16,
                  compile: bool = True, dynamic_tokens: bool = True, gemv: str = "cublas"):
-        from specla.model import GatedDeltaNet, GatedMLP, state_dtype_for
+        from specla.model import GatedDeltaNet, GatedMLP
+        from specla.precision import accumulation_dtype
 
         if mode not in MODES:
             raise ValueError(f"unknown fuse mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -391,7 +392,7 @@ class FusedModel:
             compile_fn = lambda kind, consts, mode: compiled(kind, consts, mode, dynamic_tokens)  # noqa: E731
         else:
             compile_fn = lambda kind, consts, mode: eager(kind, consts)  # noqa: E731
-        sdt = state_dtype_for(model.dtype)
+        sdt = accumulation_dtype(model.dtype)
         self.layers = [_Layer(blk, sdt, mode, concat_mlp, compile_fn, gemv)
                        if isinstance(blk.mixer, GatedDeltaNet) and type(blk.mlp) is GatedMLP else None
                        for blk in model.layers]

@@ -18,12 +18,8 @@ from specla import ops
 from specla.ops.gdn.naive import factors as gdn_factors
 from specla.ops.norm.naive import gated as gated_rms_norm  # the GDN output norm
 from specla.config import ATTENTION, ModelConfig
+from specla.precision import accumulation_dtype
 from specla.state import Cache, GDNLayerState, GDNRecord, KVLayerState
-
-
-def state_dtype_for(dtype: torch.dtype) -> torch.dtype:
-    """Recurrent state precision: fp32 for fp32/bf16/fp16 activations, fp64 for fp64 models."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class RMSNorm(nn.Module):
@@ -70,7 +66,7 @@ class GatedDeltaNet(nn.Module):
         self.scale = self.K ** -0.5
 
     def new_state(self, batch: int, device, dtype) -> GDNLayerState:
-        S = torch.zeros(batch, self.HV, self.K, self.V, device=device, dtype=state_dtype_for(dtype))
+        S = torch.zeros(batch, self.HV, self.K, self.V, device=device, dtype=accumulation_dtype(dtype))
         conv = None
         if self.cfg.use_short_conv:
             conv = torch.zeros(batch, self.cfg.conv_dim, self.cfg.conv_size - 1, device=device, dtype=dtype)

@@ -47,15 +47,12 @@ from specla.drafters.base import Draft, DraftContext, Drafter, attention_window,
 from specla.drafters.eagle import check_fits_target, default_feature_layers
 from specla.errors import CheckpointError, InputError
 from specla.model import GatedMLP, Model, RMSNorm
+from specla.precision import accumulation_dtype
 
 MODEL_TYPE = "specla_dspark"
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 DSPARK_DIR = "dspark"  # a target checkpoint's DSpark drafter lives in <target>/dspark/
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @dataclass
@@ -456,7 +453,7 @@ class DSparkDrafter(Drafter):
         """The block's greedy tokens [B, block] and how many to keep [B] (no host synchronisation)."""
         m = self.model
         logits, h = self.block_forward(root, cache, window, views)
-        acc = _acc(logits.dtype)
+        acc = accumulation_dtype(logits.dtype)
         prev, toks, lmax = root, [], []
         for i in range(self.block):
             li = (logits[:, i] + m.seq_bias(prev).to(logits.dtype)).to(acc)

@@ -45,6 +45,7 @@ from specla.drafters import tree
 from specla.drafters.base import Draft, DraftContext, Drafter, attention_window, grown, kv_room
 from specla.errors import CheckpointError, InputError
 from specla.model import GatedMLP, Model, RMSNorm
+from specla.precision import accumulation_dtype
 
 MODEL_TYPE = "specla_eagle"
 CONFIG = "config.json"
@@ -68,11 +69,6 @@ def check_fits_target(cfg, target: ModelConfig) -> None:
 def default_feature_layers(num_layers: int) -> list[int]:
     """Low, middle and high target layers (EAGLE-3): after layers L//4, L//2 and L-1."""
     return sorted({num_layers // 4, num_layers // 2, num_layers - 1})
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    """Accumulation precision for softmaxes: fp32, fp64 for fp64 models."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @dataclass
@@ -104,7 +100,7 @@ class EagleConfig:
 def _ttt_attention(q, k0, v0, ks, vs, scale):
     """Step k >= 1 of the unroll, [B, H, T, hd] each: anchor t attends to the real entries s <= t
     (step 0's keys, causal) and to its own entries of steps 1..k (one key per step: a diagonal)."""
-    T, acc = q.shape[2], _acc(q.dtype)
+    T, acc = q.shape[2], accumulation_dtype(q.dtype)
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
     s0 = (q @ k0.transpose(-1, -2)).to(acc).masked_fill(~causal, float("-inf"))
     sd = torch.stack([(q.to(acc) * kj.to(acc)).sum(-1) for kj in ks], -1)

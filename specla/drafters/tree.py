@@ -32,6 +32,7 @@ import torch
 
 from specla import ops
 from specla.ops.beam import naive as beam_naive
+from specla.precision import accumulation_dtype
 
 
 def expand(beam_scores: torch.Tensor, logits: torch.Tensor, topk: int):
@@ -71,7 +72,7 @@ def beam_search(step, root: torch.Tensor, topk: int, depth: int, tau: float | No
             break
         logits = step(d, beam_tok, src)
         if beam_score is None:
-            beam_score = logits.new_zeros(B, 1, dtype=beam_naive.score_dtype(logits.dtype))
+            beam_score = logits.new_zeros(B, 1, dtype=accumulation_dtype(logits.dtype))
         tok, score, nxt = expand(beam_score, logits, topk)
         pool.append((tok, beam_pool[:, :, None].expand(-1, -1, topk).flatten(1), score))
         if best is None:

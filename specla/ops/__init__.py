@@ -39,6 +39,7 @@ from specla.ops.gdn import naive as gdn_ref
 from specla.ops.linear import naive as linear_ref
 from specla.ops.linear import tilings as linear_tilings
 from specla.ops.norm import naive as norm_ref
+from specla.precision import accumulation_dtype
 
 _BACKENDS = ("auto", "torch", "triton")
 _backend = os.environ.get("SPECLA_BACKEND", "auto")
@@ -303,7 +304,7 @@ def beam_expand(logits: torch.Tensor, beam_scores: torch.Tensor, topk: int) -> t
 def _beam_expand_shape(logits, beam_scores, topk):
     B, nb, _ = logits.shape
     return (logits.new_empty(B, nb * topk, dtype=torch.long),
-            logits.new_empty(B, nb * topk, dtype=beam_ref.score_dtype(logits.dtype)),
+            logits.new_empty(B, nb * topk, dtype=accumulation_dtype(logits.dtype)),
             logits.new_empty(B, topk, dtype=torch.long))
 
 

@@ -56,6 +56,7 @@ from specla.errors import InputError
 from specla.model import GatedDeltaNet, Model
 from specla.ops.conv import naive as conv_ref
 from specla.ops.reader import naive as reader_ref
+from specla.precision import accumulation_dtype
 from specla.train.drafter import ResponseBatches, ResponseSet
 from specla.train.loop import RunClock, optimizer_step, save_checkpoint
 
@@ -75,7 +76,7 @@ def target_pass(target: Model, tokens: torch.Tensor, feature_layers, source_laye
     inputs = {l - 1 for l in source_layers if l > 0}
     out = target(tokens, target.new_cache(tokens.shape[0], max_len=tokens.shape[1]),
                  capture=tuple(sorted(set(feature_layers) | inputs)))
-    logp = torch.log_softmax(out.logits.to(torch.promote_types(out.logits.dtype, torch.float32)), -1)
+    logp = torch.log_softmax(out.logits.to(accumulation_dtype(out.logits.dtype)), -1)
     emb = target.embeddings(tokens)
     src = {l: (out.hidden[l - 1] if l > 0 else emb) for l in source_layers}
     return [out.hidden[i] for i in feature_layers], emb, logp, src

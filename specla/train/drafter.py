@@ -38,6 +38,7 @@ import torch.nn as nn
 from specla.drafters.eagle import EagleConfig, EagleDrafterModel, load_drafter, save_drafter
 from specla.errors import InputError
 from specla.model import Model
+from specla.precision import accumulation_dtype
 from specla.train.dist import setup, wrap
 from specla.train.loop import RunClock, optimizer_step, save_checkpoint
 
@@ -304,7 +305,7 @@ def target_side(target: Model, tokens: torch.Tensor, layers) -> tuple[list[torch
     """What the frozen target contributes to a batch: the captured hidden states, the token
     embeddings and its next-token log-probabilities (fp32), from one plain forward."""
     out = target(tokens, target.new_cache(tokens.shape[0], max_len=tokens.shape[1]), capture=tuple(layers))
-    logp = torch.log_softmax(out.logits.to(torch.promote_types(out.logits.dtype, torch.float32)), -1)
+    logp = torch.log_softmax(out.logits.to(accumulation_dtype(out.logits.dtype)), -1)
     return [out.hidden[i] for i in layers], target.embeddings(tokens), logp
 
 

@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import torch
 
-
-def score_dtype(logits_dtype: torch.dtype) -> torch.dtype:
-    """The precision of a rollout's scores: float32, or float64 for float64 logits."""
-    return torch.promote_types(logits_dtype, torch.float32)
+from specla.precision import accumulation_dtype
 
 
 def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,9 +34,9 @@ def beam_expand(logits: torch.Tensor, beam_scores: torch.Tensor, topk: int):
     top-k by logit, best first, lower id first among equal logits), their scores [B, nb·topk]
     (beam score + the token's log-probability), and beams [B, topk]: the flat indices of the
     topk best children (best first, earlier first among equal scores), the next beams.
-    Computed in `score_dtype`.
+    Computed in `accumulation_dtype`.
     """
-    acc = score_dtype(logits.dtype)
+    acc = accumulation_dtype(logits.dtype)
     x = logits.to(acc)
     val, tok = top_k(x, topk)
     lp = val - torch.logsumexp(x, -1, keepdim=True)
