@@ -151,6 +151,16 @@ def test_e2e_shards_resume_and_summary(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "chain+exact" in printed and "(ar+exact)" in printed  # the summary table
     data = json.loads((tmp_path / "e2e.json").read_text())
+    # prefill by prompt length: each AR record in the bucket of its own prompt's length
+    for suite in ("gsm8k", "humaneval"):
+        recs = [json.loads(x) for p in tmp_path.glob("e2e.records.*")
+                for x in (gzip.decompress(p.read_bytes()).decode() if p.suffix == ".gz" else p.read_text()).splitlines()]
+        lengths = [r["prompt_tokens"] for r in recs if r["suite"] == suite and r["route"] == "ar"]
+        rows = data["suites"][suite]["ar"]["prefill_by_length"]
+        assert sum(r["prompts"] for r in rows) == len(lengths) == 3
+        for r in rows:
+            inside = [n for n in lengths if r["min_tokens"] <= n and (r["max_tokens"] is None or n < r["max_tokens"])]
+            assert r["prompts"] == len(inside) and r["prefill_ms"] > 0
     # every prompt of both shards is recorded; the measuring run's date, model and shard stay
     assert data["complete"] is True
     assert {k: data[k] for k in ("date", "model", "shard")} == {k: measured[k] for k in ("date", "model", "shard")}

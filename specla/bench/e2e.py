@@ -88,6 +88,7 @@ def _summarise(records: dict, route: str) -> dict:
         # prefill per prompt, this route's and AR's on the same prompts (ms)
         "prefill_ms": 1e3 * sum(rt[i]["prefill_seconds"] for i in ids) / len(ids),
         "ar_prefill_ms": 1e3 * sum(ar[i]["prefill_seconds"] for i in ids) / len(ids),
+        "prefill_by_length": prefill_by_length(rt, ids),
         "commits": sorted({rt[i].get("commit") or "unknown" for i in ids}),
         "timed_captures": timed_captures(ids, rt, ar),
     }
@@ -97,6 +98,23 @@ def _summarise(records: dict, route: str) -> dict:
                  min(len(ref[i]["tokens"]), len(rt[i]["tokens"])))]
         for i, same in zip(ids, exact) if not same][:50]
     return out
+
+
+PROMPT_LENGTH_BUCKETS = (0, 32, 128, 512, 1024, 2048)  # prompt tokens; 512 = ops.CHUNK_MIN_TOKENS
+
+
+def prefill_by_length(rt: dict, ids) -> list[dict]:
+    """Mean prefill (ms) of these prompts by prompt length in tokens, one row per non-empty
+    bucket [lo, hi) (the last open); records written before `prompt_tokens` was kept count in
+    none."""
+    edges = PROMPT_LENGTH_BUCKETS + (None,)
+    rows = []
+    for lo, hi in zip(edges, edges[1:]):
+        sec = [rt[i]["prefill_seconds"] for i in ids if "prompt_tokens" in rt[i]
+               and lo <= rt[i]["prompt_tokens"] and (hi is None or rt[i]["prompt_tokens"] < hi)]
+        if sec:
+            rows.append({"min_tokens": lo, "max_tokens": hi, "prompts": len(sec), "prefill_ms": 1e3 * sum(sec) / len(sec)})
+    return rows
 
 
 def paired(records: dict, route: str, base: str) -> dict | None:
@@ -208,9 +226,10 @@ def summarise(out_dir, name: str, suites, routes, max_new_tokens: int, complete:
         if tree and tree.get("prompts") and "chain" in routes:
             tree["over_chain"] = paired(records.get(s, {}), "tree", "chain")
     for s in suites:  # the reference row: one token per target call, its own output
-        result["suites"][s]["ar"] = {"prompts": len(records.get(s, {}).get("ar", {})), "speedup": 1.0,
+        ar = records.get(s, {}).get("ar", {})
+        result["suites"][s]["ar"] = {"prompts": len(ar), "speedup": 1.0,
                                      "mean_accepted_length": 1.0, "first_token_match": None,
-                                     "exact_match_rate": 1.0}
+                                     "exact_match_rate": 1.0, "prefill_by_length": prefill_by_length(ar, sorted(ar))}
     path = write_results(name, result, out_dir)
     plot(json.loads(path.read_text()), out_dir / f"{name}.png")
     _print(result)
@@ -245,6 +264,12 @@ def _print(result: dict) -> None:
             (lo, hi), (dlo, dhi) = pair["speedup_ci95"], pair["decode_speedup_ci95"]
             console.print(f"{suite}: tree over chain on {pair['prompts']} prompts {pair['speedup']:.3f} "
                           f"[{lo:.3f}, {hi:.3f}], decode only {pair['decode_speedup']:.3f} [{dlo:.3f}, {dhi:.3f}]")
+    for suite, routes in result["suites"].items():
+        rows = routes.get("ar", {}).get("prefill_by_length")
+        if rows:
+            console.print(f"{suite}: AR's prefill by prompt length: " + ", ".join(
+                f"{r['min_tokens']}{'+' if r['max_tokens'] is None else '-' + str(r['max_tokens'] - 1)} tokens "
+                f"{r['prefill_ms']:.1f} ms ({r['prompts']})" for r in rows))
     for suite, routes in result["suites"].items():
         for route, r in routes.items():
             if r.get("timed_captures"):
@@ -314,7 +339,7 @@ def run(model_dir=None, suites=SUITES, routes=BASE_ROUTES, limit: int | None = N
                    "captures": graphs.captured() - c0,
                    "prefill_seconds": g.prefill_seconds, "decode_seconds": g.decode_seconds, "tokens": g.tokens, "rounds": g.rounds,
                    "mean_accepted_length": g.mean_accepted_length,
-                   "first_token_match": g.to_dict()["first_token_match"],
+                   "first_token_match": g.to_dict()["first_token_match"], "prompt_tokens": g.prompt_tokens,
                    "device": device_name, "dtype": str(lm.model.dtype).replace("torch.", ""),
                    "commit": env["commit"], "versions": env["versions"]}
             log.write(json.dumps(rec) + "\n")
