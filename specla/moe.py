@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from specla.config import ModelConfig
 from specla.errors import UnsupportedConfigError
+from specla.precision import accumulation_dtype
 
 
 class SparseMoE(nn.Module):
@@ -48,12 +49,16 @@ class SparseMoE(nn.Module):
     def route(self, x: torch.Tensor):
         """x [N, hidden] -> (weights [N, k] in x's dtype, expert ids [N, k])."""
         logits = self.router(x)
-        pdt = torch.float64 if x.dtype == torch.float64 else torch.float32
-        probs = torch.softmax(logits.to(pdt), dim=-1)
+        probs = torch.softmax(logits.to(accumulation_dtype(x.dtype)), dim=-1)
         w, idx = torch.topk(probs, self.k, dim=-1)
         if self.norm_topk_prob:
             w = w / w.sum(-1, keepdim=True)
         return w.to(x.dtype), idx
+
+    def gathers(self, tokens: int) -> bool:
+        """Whether `tokens` rows take the gather path (graph-capturable) rather than the grouped
+        one, which reads the selected expert ids on the host."""
+        return tokens * self.k <= self.E
 
     def _gather(self, x, w, idx):
         N, D = x.shape
@@ -78,7 +83,7 @@ class SparseMoE(nn.Module):
         shape = h.shape
         x = h.reshape(-1, shape[-1])
         w, idx = self.route(x)
-        y = self._gather(x, w, idx) if x.shape[0] * self.k <= self.E else self._grouped(x, w, idx)
+        y = self._gather(x, w, idx) if self.gathers(x.shape[0]) else self._grouped(x, w, idx)
         if self.shared_expert is not None:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return y.reshape(shape)

@@ -146,3 +146,10 @@ def test_long_prompt_graph_prefill_equals_the_plain_forward(monkeypatch, hybrid)
         target.prefill(prompt, capture=(0,))
         assert ("prefill", 4, ()) in target.graphs and ("prefill", 4, (0,)) not in target.graphs
         assert int(target.cache.length) == 19
+    # a sparse MoE layer whose grouped path would read expert ids on the host: no graph
+    moe = random_model(tiny_config(5, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+                                   moe_intermediate_size=8), 5, dtype=torch.float64)
+    target = GraphTarget(moe, 1, 64, 1, False)
+    ref_cache = moe.new_cache(1, max_len=64)
+    torch.testing.assert_close(target.prefill(prompt).logits, moe.forward(prompt, ref_cache).logits)
+    assert not any(k[0] == "prefill" for k in target.graphs)
