@@ -244,12 +244,12 @@ class GraphTarget(EagerTarget):
         """The prompt in fixed-width chunks, one graph replay each (see PREFILL_WIDTH): below
         ops.CHUNK_MIN_TOKENS padded chains verified and committed, from there plain sequences
         of that width; `valid` stops the recurrence, the conv and the commit at a chunk's real
-        length. `SPECLA_PREFILL=plain` takes the plain forward, as does a long prompt whose
-        chunks cannot be captured (`_sequence_capturable`)."""
+        length. `SPECLA_PREFILL=plain` takes the plain forward, as does a prompt whose chunks
+        cannot be captured (`_capturable`)."""
         B, T = tokens.shape
         chain = T < ops.CHUNK_MIN_TOKENS
         W = PREFILL_WIDTH if chain else ops.CHUNK_MIN_TOKENS
-        if PREFILL == "plain" or not (chain or self._sequence_capturable(T, W)):
+        if PREFILL == "plain" or not self._capturable(T, W, chain):
             return super().prefill(tokens, capture)
         dev = self.model.device
         if W not in self._prefill_buffers:
@@ -280,14 +280,16 @@ class GraphTarget(EagerTarget):
                 hidden[i].append(hid[i][:, :n].clone())
         return ModelOutput(torch.cat(logits, 1), {i: torch.cat(h, 1) for i, h in hidden.items()})
 
-    def _sequence_capturable(self, T: int, W: int) -> bool:
-        """Whether T tokens go as W-token plain chunks from a graph: every MoE layer takes its
-        gather path at W tokens, and T padded to whole chunks fits every K/V cache (a plain
-        chunk writes K/V at all its positions; one host read, before the first replay)."""
+    def _capturable(self, T: int, W: int, chain: bool) -> bool:
+        """Whether T tokens go as W-token chunks from a graph: every MoE layer takes its gather
+        path at W tokens, and plain chunks (not chains) padded to whole chunks fit every K/V
+        cache (they write K/V at all their positions; one host read, before the first replay)."""
         from specla.moe import SparseMoE
 
         if any(isinstance(blk.mlp, SparseMoE) and not blk.mlp.gathers(W) for blk in self.model.layers):
             return False
+        if chain:
+            return True
         sizes = [st.k.shape[2] for st in self.cache.layers if not isinstance(st, GDNLayerState)]
         return not sizes or int(self.cache.length.max()) + -(-T // W) * W <= min(sizes)
 

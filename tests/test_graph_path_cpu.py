@@ -152,4 +152,6 @@ def test_long_prompt_graph_prefill_equals_the_plain_forward(monkeypatch, hybrid)
     target = GraphTarget(moe, 1, 64, 1, False)
     ref_cache = moe.new_cache(1, max_len=64)
     torch.testing.assert_close(target.prefill(prompt).logits, moe.forward(prompt, ref_cache).logits)
+    monkeypatch.setattr(ops, "CHUNK_MIN_TOKENS", 512)  # a 32-token chain's verify groups too
+    torch.testing.assert_close(target.prefill(prompt).logits, moe.forward(prompt, ref_cache).logits)
     assert not any(k[0] == "prefill" for k in target.graphs)
