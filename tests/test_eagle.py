@@ -72,6 +72,28 @@ def test_batched_rows_and_one_token_prompt():
     assert rows == ar_rows and res.rounds[0].drafted == 0 and res.rounds[1].drafted == 5
 
 
+def test_unscored_chain_is_the_packed_rollout():
+    """A chain without a pruning window skips the scores and the packing (`tree.top1`): its
+    draft equals `build_batch` over the scored rollout, whose tokens it also proposes."""
+    from specla.drafters import tree
+
+    cfg = tiny_config(4)
+    model = random_model(cfg, 4)
+    dm = random_drafter(cfg, 4)
+    x = torch.tensor([make_prompt(cfg, 4, 9), make_prompt(cfg, 5, 9)])
+    drafter = EagleDrafter(dm, model, **{**ROUTES["chain"], "tau": None})
+    drafter.reset(2)
+    out = model(x[:, :-1], model.new_cache(2), capture=drafter.capture)
+    drafter.extend(x[:, :-1], out.hidden, torch.full((2,), x.shape[1] - 1))
+    root = x[:, -1]
+    got = drafter.draft(root, drafter.k, drafter.v)
+    pool = drafter.rollout(root, drafter.k, drafter.v)
+    want = tree.build_batch(root, *pool, drafter.budget, None, max_depth=drafter.depth)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert torch.equal(drafter.rollout(root, drafter.k, drafter.v, scored=False)[0], pool[0])
+
+
 @pytest.mark.parametrize("route", ["chain", "tree"])
 def test_training_unroll_is_what_drafting_computes(route):
     """Every node of a rollout scores exactly what the training-time test computes for the same

@@ -445,12 +445,20 @@ class EagleDrafter(Drafter):
 
     def draft(self, root: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, graphed: bool = False):
         """Rollout, selection and packing: the verifier's (tokens, parents, valid). Eagerly the
-        rollout stops once no beam is inside the window τ; a graph cannot stop early."""
+        rollout stops once no beam is inside the window τ; a graph cannot stop early. A chain
+        without a window is its own packing: it needs no scores and no ranking."""
+        if self.chain and self.tau is None:
+            tokens = self.rollout(root, keys, values, scored=False)[0]
+            B, D = tokens.shape
+            parents = torch.arange(-1, D, device=root.device).expand(B, -1).contiguous()
+            valid = torch.full((B,), D + 1, dtype=torch.long, device=root.device)
+            return torch.cat([root[:, None], tokens], 1), parents, valid
         pool = self.rollout(root, keys, values, None if graphed else self.tau)
         return tree.build_batch(root, *pool, self.budget, self.tau, max_depth=self.depth)
 
     @torch.no_grad()
-    def rollout(self, root: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tau: float | None = None):
+    def rollout(self, root: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tau: float | None = None,
+                scored: bool = True):
         """`tree.beam_search` from root [B] with this drafter: the pool's tokens, parents, scores.
 
         keys, values: the leading slots of the cache ([B, H, W, hd] views) that hold the
@@ -483,7 +491,7 @@ class EagleDrafter(Drafter):
             h = m.finish(x, m.attend(q, keys, values, committed[:, None] | (in_draft[:, None] & sees)))
             return tgt.lm_head(m.norm(h))  # the expand normalises the k tokens it keeps
 
-        return tree.beam_search(step, root, k, self.depth, tau)
+        return tree.beam_search(step, root, k, self.depth, tau, scored)
 
     def _replay(self, root: torch.Tensor):
         """`draft` from a CUDA graph over static buffers (root, len, pending, cache), one graph

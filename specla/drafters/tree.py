@@ -54,7 +54,16 @@ def expand(beam_scores: torch.Tensor, logits: torch.Tensor, topk: int):
     return ops.beam_expand(logits, beam_scores, topk)
 
 
-def beam_search(step, root: torch.Tensor, topk: int, depth: int, tau: float | None = None):
+def top1(beam_scores: torch.Tensor, logits: torch.Tensor):
+    """`expand` at top-1 when nothing reads the scores (a chain without a pruning window): each
+    beam's best token (lowest id among equal logits, as `expand` picks), the scores passed on
+    unchanged, so no log-sum-exp over the vocabulary is formed."""
+    tok = beam_naive.top_k(logits.to(accumulation_dtype(logits.dtype)), 1)[1].flatten(1)
+    return tok, beam_scores, torch.zeros_like(tok)
+
+
+def beam_search(step, root: torch.Tensor, topk: int, depth: int, tau: float | None = None,
+                scored: bool = True):
     """The rollout: the pool's tokens, parents (-1 = the root) and scores, [B, P] each.
 
     step(d, tokens, src) -> logits [B, n, V] scores the n beams of depth d (d = 0: the root
@@ -62,6 +71,7 @@ def beam_search(step, root: torch.Tensor, topk: int, depth: int, tau: float | No
     (0 at d = 1; zeros at d = 0). With tau, the rollout stops once every beam is outside the
     window: scores never increase along a path, so nothing deeper could enter it (one host
     read per depth). Without tau there is no host synchronisation: it can be graph-captured.
+    scored=False (top-1 without tau): the scores stay 0 (`top1`).
     """
     B, dev = root.shape[0], root.device
     beam_tok, src = root[:, None], torch.zeros(B, 1, dtype=torch.long, device=dev)
@@ -73,7 +83,7 @@ def beam_search(step, root: torch.Tensor, topk: int, depth: int, tau: float | No
         logits = step(d, beam_tok, src)
         if beam_score is None:
             beam_score = logits.new_zeros(B, 1, dtype=accumulation_dtype(logits.dtype))
-        tok, score, nxt = expand(beam_score, logits, topk)
+        tok, score, nxt = expand(beam_score, logits, topk) if scored else top1(beam_score, logits)
         pool.append((tok, beam_pool[:, :, None].expand(-1, -1, topk).flatten(1), score))
         if best is None:
             best = score[:, 0]  # q*: the best first token; no deeper score exceeds it
