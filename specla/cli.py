@@ -152,6 +152,38 @@ def bench_rounds(
         warm, name)
 
 
+@bench_app.command("prefill")
+def bench_prefill(
+    model: Optional[Path] = typer.Option(None, help="Checkpoint directory (default: the demo target)."),
+    lengths: str = typer.Option(",".join(map(str, (16, 32, 64, 128, 256, 511, 512, 1024, 2048, 4096))),
+                                help="Comma-separated prompt lengths in tokens."),
+    modes: str = typer.Option("chain,sequence,plain", help="Prefill modes: chain, sequence, plain."),
+    reps: int = typer.Option(5, help="Timed prefills per length and mode (median)."),
+    device: str = typer.Option("cuda"),
+    dtype: str = typer.Option("auto"),
+    compile: Optional[str] = typer.Option(None, "--compile", help="default | max-autotune: the fused decode path "
+                                          "(SPECLA_COMPILE=1 does the same)."),
+    name: str = typer.Option("prefill", help="Result file stem."),
+    out: Path = typer.Option(Path("benchmarks/results")),
+):
+    """Time to consume a prompt by length and prefill mode (CUDA graph chunks or the plain forward; GPU)."""
+    from specla.bench.prefill import MODES, run
+
+    bad = [m for m in modes.split(",") if m not in MODES]
+    if bad:
+        raise InputError(f"unknown prefill mode(s) {', '.join(bad)}; choose from {', '.join(MODES)}")
+    if not device.startswith("cuda"):
+        raise InputError("bench prefill times CUDA graph replays: run it with --device cuda on a GPU")
+    try:
+        sizes = tuple(int(x) for x in lengths.split(",") if x)
+    except ValueError:
+        raise InputError(f"--lengths must be comma-separated integers, got {lengths!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise InputError("--lengths must be positive")
+    run(model, sizes, tuple(modes.split(",")), reps=reps, device=device, dtype=dtype, compile=compile,
+        out_dir=out, name=name)
+
+
 @bench_app.command("decode")
 def bench_decode(
     shapes: str = typer.Option("gdn-1.3b-paper,gdn-1.3b-paper-hybrid", help="Comma-separated named shapes."),

@@ -240,17 +240,19 @@ class GraphTarget(EagerTarget):
         self.graphs[key] = (graph, graph.out)
         return self.graphs[key]
 
-    def prefill(self, tokens, capture=()):
+    def prefill(self, tokens, capture=(), mode: str | None = None):
         """The prompt in fixed-width chunks, one graph replay each (see PREFILL_WIDTH): below
         ops.CHUNK_MIN_TOKENS padded chains verified and committed, from there plain sequences
         of that width; `valid` stops the recurrence, the conv and the commit at a chunk's real
         length. `SPECLA_PREFILL=plain` takes the plain forward, as does a prompt whose chunks
-        cannot be captured (`_capturable`)."""
+        cannot be captured (`_capturable`). mode: force "chain", "sequence" or "plain"
+        (`prefill_mode`; `bench prefill` times each)."""
         B, T = tokens.shape
-        chain = T < ops.CHUNK_MIN_TOKENS
-        W = PREFILL_WIDTH if chain else ops.CHUNK_MIN_TOKENS
-        if PREFILL == "plain" or not self._capturable(T, W, chain):
+        mode = self.prefill_mode(T, mode)
+        if mode == "plain":
             return super().prefill(tokens, capture)
+        chain = mode == "chain"
+        W = PREFILL_WIDTH if chain else ops.CHUNK_MIN_TOKENS
         dev = self.model.device
         if W not in self._prefill_buffers:
             self._prefill_buffers[W] = (torch.zeros(B, W, dtype=torch.long, device=dev),
@@ -279,6 +281,19 @@ class GraphTarget(EagerTarget):
             for i in capture:
                 hidden[i].append(hid[i][:, :n].clone())
         return ModelOutput(torch.cat(logits, 1), {i: torch.cat(h, 1) for i, h in hidden.items()})
+
+    def prefill_mode(self, T: int, mode: str | None = None) -> str:
+        """How `prefill` consumes T tokens: "chain" below ops.CHUNK_MIN_TOKENS, "sequence" from
+        there, "plain" under SPECLA_PREFILL=plain; a chain or sequence (also a forced one) that
+        cannot be captured here runs plain."""
+        if mode is None:
+            mode = "plain" if PREFILL == "plain" else "chain" if T < ops.CHUNK_MIN_TOKENS else "sequence"
+        if mode not in ("chain", "sequence", "plain"):
+            raise ValueError(f"prefill mode {mode!r}: expected chain, sequence or plain")
+        if mode != "plain" and not self._capturable(T, PREFILL_WIDTH if mode == "chain" else ops.CHUNK_MIN_TOKENS,
+                                                    mode == "chain"):
+            return "plain"
+        return mode
 
     def _capturable(self, T: int, W: int, chain: bool) -> bool:
         """Whether T tokens go as W-token chunks from a graph: every MoE layer takes its gather

@@ -398,3 +398,46 @@ def test_bench_kernels_runs_every_section_on_cpu(tmp_path):
     assert {"T", "ms", "floor_ms"} <= set(res["chain"][0])
     assert set(res["cost_fit"]["current"]) == {"node", "restore", "hybrid_fixed", "hybrid_node"}
     assert json.loads((tmp_path / "kernels_cpu_smoke.json").read_text())["goals"] == res["goals"]
+
+
+def test_prefill_crossover_is_where_sequence_stays_faster():
+    from specla.bench.prefill import crossover
+
+    def rows(chain, seq):
+        return ([{"mode": "chain", "used": "chain", "tokens": t, "ms": ms} for t, ms in chain]
+                + [{"mode": "sequence", "used": "sequence", "tokens": t, "ms": ms} for t, ms in seq])
+
+    lengths = (16, 32, 64, 128)
+    assert crossover(rows(zip(lengths, (1, 2, 4, 8)), zip(lengths, (3, 3, 3, 3)))) == 64
+    # faster at 16 but not at 32: only from 64 on does it stay faster
+    assert crossover(rows(zip(lengths, (4, 2, 4, 8)), zip(lengths, (3, 3, 3, 3)))) == 64
+    assert crossover(rows(zip(lengths, (1, 1, 1, 1)), zip(lengths, (3, 3, 3, 3)))) is None
+    r = rows(zip(lengths, (1, 2, 4, 8)), zip(lengths, (3, 3, 3, 3)))
+    r[-1]["used"] = "plain"  # a sequence that ran plain does not count
+    assert crossover(r) == 64 and crossover(r[:4] + r[4:7]) == 64
+
+
+def test_bench_prefill_on_emulated_graphs(tmp_path, monkeypatch):
+    """`bench prefill` on CPU with emulated graphs and small chunk widths: every mode at every
+    length runs as asked (the demo target has no MoE layer) and the JSON, table and PNG come out;
+    the CLI refuses a non-CUDA device in one line."""
+    import subprocess
+    import sys
+
+    from specla import engine, ops
+    from specla.bench import prefill
+
+    from graph_emulation import emulate_graphs
+
+    emulate_graphs(monkeypatch)
+    monkeypatch.setattr(ops, "CHUNK_MIN_TOKENS", 8)
+    monkeypatch.setattr(engine, "PREFILL_WIDTH", 4)
+    res = prefill.run(lengths=(3, 9, 20), reps=1, device="cpu", dtype="float32", out_dir=tmp_path)
+    data = json.loads((tmp_path / "prefill.json").read_text())
+    assert data["rows"] == res["rows"] and len(data["rows"]) == 9 and data["device"] and data["commit"]
+    assert all(r["used"] == r["mode"] and r["ms"] > 0 for r in data["rows"])
+    assert data["switch_tokens"] == 8 and data["sequence_width"] == 8 and data["chain_width"] == 4
+    assert (tmp_path / "prefill.png").stat().st_size > 0
+    r = subprocess.run([sys.executable, "-m", "specla.cli", "bench", "prefill", "--device", "cpu"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "--device cuda" in r.stderr and "Traceback" not in r.stderr
