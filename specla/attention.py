@@ -36,9 +36,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from specla import topology
-from specla.graphs import capturing
 from specla.config import ModelConfig
 from specla.errors import UnsupportedConfigError
+from specla.graphs import capturing
 from specla.state import KVLayerState, KVRecord
 
 

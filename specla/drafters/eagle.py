@@ -459,7 +459,8 @@ class EagleDrafter(Drafter):
     @torch.no_grad()
     def rollout(self, root: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tau: float | None = None,
                 scored: bool = True):
-        """`tree.beam_search` from root [B] with this drafter: the pool's tokens, parents, scores.
+        """`tree.beam_search` from root [B] with this drafter: the pool's tokens, parents, scores
+        (scored=False, top-1 only: the scores stay 0, `tree.top1`).
 
         keys, values: the leading slots of the cache ([B, H, W, hd] views) that hold the
         committed entries and room for this rollout's. Entries (the drafter's queries for
