@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from specla import ops
+from specla.graphs import capturing
 
 
 def ancestor_closure(parents: torch.Tensor, width: int | None = None) -> torch.Tensor:
@@ -250,7 +251,7 @@ def plan_for(parents: torch.Tensor) -> Plan:
     same, unmodified parents tensor share the first capture's plan tensors; capture each graph
     after an eager warm-up call (which rebuilds the plan) or with its own parents tensor.
     """
-    captured = parents.is_cuda and torch.cuda.is_current_stream_capturing()
+    captured = parents.is_cuda and capturing()
     plan = getattr(parents, "_specla_plan", None)
     if plan is None or plan.version != parents._version or plan.captured != captured:
         plan = Plan(parents._version, captured)
