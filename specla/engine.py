@@ -42,6 +42,11 @@ if PREFILL not in ("graph", "plain"):
     raise ValueError(f"SPECLA_PREFILL={PREFILL!r}: expected graph or plain")
 
 
+def _chunk_width(mode: str) -> int:
+    """Tokens a graph-replayed prefill chunk holds: a chain's, or a plain sequence's."""
+    return PREFILL_WIDTH if mode == "chain" else ops.CHUNK_MIN_TOKENS
+
+
 @dataclass
 class Round:
     """What a settled round hands on: the accepted path's tokens [B, W] (root first) and their
@@ -206,7 +211,7 @@ class GraphTarget(EagerTarget):
         self.length = torch.zeros(batch, dtype=torch.long, device=dev)
         self.graphs: dict = {}
         self.records, self.verify_key = None, None
-        self._prefill_buffers: dict = {}  # chunk width -> its tokens, parents, path, valid (`prefill`)
+        self._prefill_buffers: dict = {}  # (mode, width) -> tokens, valid (+ a chain's parents, path)
         # greedy acceptance walks the nodes one by one (~8 small ops per node) and settling a
         # round is ~40 more; beside a fused model both are compiled: a few kernels per graph
         self._accept, _ = fused.compile_for_graph(acceptance.greedy, fused.mode_of(model))
@@ -251,23 +256,22 @@ class GraphTarget(EagerTarget):
         mode = self.prefill_mode(T, mode)
         if mode == "plain":
             return super().prefill(tokens, capture)
-        chain = mode == "chain"
-        W = PREFILL_WIDTH if chain else ops.CHUNK_MIN_TOKENS
-        dev = self.model.device
-        if W not in self._prefill_buffers:
-            self._prefill_buffers[W] = (torch.zeros(B, W, dtype=torch.long, device=dev),
-                                        torch.arange(-1, W - 1, device=dev).expand(B, -1).contiguous(),
-                                        torch.arange(W, device=dev).expand(B, -1).contiguous(),
-                                        torch.zeros(B, dtype=torch.long, device=dev))
-        tok, par, path, valid = self._prefill_buffers[W]
+        W, dev = _chunk_width(mode), self.model.device
+        if (mode, W) not in self._prefill_buffers:
+            chain = [torch.arange(-1, W - 1, device=dev).expand(B, -1).contiguous(),  # parents
+                     torch.arange(W, device=dev).expand(B, -1).contiguous()] if mode == "chain" else []  # path
+            self._prefill_buffers[mode, W] = (torch.zeros(B, W, dtype=torch.long, device=dev),
+                                              torch.zeros(B, dtype=torch.long, device=dev), *chain)
+        tok, valid, *chain = self._prefill_buffers[mode, W]
         key = ("prefill", W, tuple(capture))
 
         def run():
-            if not chain:
+            if mode == "sequence":
                 out = self.model.forward(tok, self.cache, capture, valid)
-                return out.logits, out.hidden
-            out = self._model_verify(tok, par, capture, True, valid)
-            self.cache.commit(out.records, path, valid, False)
+            else:  # a chain verified, and committed up to `valid`
+                par, path = chain
+                out = self._model_verify(tok, par, capture, True, valid)
+                self.cache.commit(out.records, path, valid, False)
             return out.logits, out.hidden
 
         logits, hidden = [], {i: [] for i in capture}
@@ -290,20 +294,19 @@ class GraphTarget(EagerTarget):
             mode = "plain" if PREFILL == "plain" else "chain" if T < ops.CHUNK_MIN_TOKENS else "sequence"
         if mode not in ("chain", "sequence", "plain"):
             raise ValueError(f"prefill mode {mode!r}: expected chain, sequence or plain")
-        if mode != "plain" and not self._capturable(T, PREFILL_WIDTH if mode == "chain" else ops.CHUNK_MIN_TOKENS,
-                                                    mode == "chain"):
-            return "plain"
-        return mode
+        return mode if mode == "plain" or self._capturable(T, mode) else "plain"
 
-    def _capturable(self, T: int, W: int, chain: bool) -> bool:
-        """Whether T tokens go as W-token chunks from a graph: every MoE layer takes its gather
-        path at W tokens, and plain chunks (not chains) padded to whole chunks fit every K/V
-        cache (they write K/V at all their positions; one host read, before the first replay)."""
+    def _capturable(self, T: int, mode: str) -> bool:
+        """Whether T tokens go as chunks of this mode from a graph: every MoE layer takes its
+        gather path at the chunk's width, and plain sequences (not chains) padded to whole
+        chunks fit every K/V cache (they write K/V at all their positions; one host read,
+        before the first replay)."""
         from specla.moe import SparseMoE
 
+        W = _chunk_width(mode)
         if any(isinstance(blk.mlp, SparseMoE) and not blk.mlp.gathers(W) for blk in self.model.layers):
             return False
-        if chain:
+        if mode == "chain":
             return True
         sizes = [st.k.shape[2] for st in self.cache.layers if not isinstance(st, GDNLayerState)]
         return not sizes or int(self.cache.length.max()) + -(-T // W) * W <= min(sizes)

@@ -95,10 +95,7 @@ class GatedDeltaNet(nn.Module):
         if st.conv is None:
             xc = F.silu(x)
         else:
-            tail = None if valid is None else _conv_tail(st.conv, x, valid)
-            xc = ops.conv_sequence(x, st.conv, self.conv_weight, self.conv_bias)
-            if tail is not None:
-                st.conv.copy_(tail)
+            xc = ops.conv_sequence(x, st.conv, self.conv_weight, self.conv_bias, valid)
         q, k, v, g, beta = self._factors(xc, a, b, st.S.dtype)
         if valid is not None:  # a padding token neither decays (g = 0) nor writes (β = 0) the state
             real = (torch.arange(h.shape[1], device=h.device)[None] < valid[:, None])[..., None]
@@ -133,14 +130,6 @@ class GatedDeltaNet(nn.Module):
             st.pending[3].zero_()
         rec = GDNRecord(x=x if st.conv is not None else None, k=k, g=g, u=u)
         return self._output(o, z, h.dtype), rec
-
-
-def _conv_tail(conv_state, x, valid):
-    """The conv state [B, C, W-1] after the first valid[b] inputs of x [B, T, C]: the last W-1
-    inputs of the state's history followed by them."""
-    hist = torch.cat([conv_state.to(x.dtype), x.transpose(1, 2)], 2)  # [B, C, W-1+T], oldest first
-    idx = valid[:, None] + torch.arange(conv_state.shape[2], device=x.device)[None]
-    return hist.gather(2, idx[:, None].expand(-1, hist.shape[1], -1)).to(conv_state.dtype)
 
 
 def make_mixer(cfg: ModelConfig, layer: int) -> nn.Module:

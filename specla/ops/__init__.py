@@ -250,8 +250,8 @@ def tree_prelude(x, conv_state, weight, bias, parents, a, b, A_log, dt_bias, num
                                     head_dim, neg_eigval, state_dtype)
 
 
-def conv_sequence(x, conv_state, weight, bias):
-    return conv_ref.conv_sequence(x, conv_state, weight, bias)
+def conv_sequence(x, conv_state, weight, bias, valid=None):
+    return conv_ref.conv_sequence(x, conv_state, weight, bias, valid)
 
 
 # tilings of the batch-1 matmul kernels (`ops.linear.triton` TILINGS / SKINNY_TILINGS, all of

@@ -44,14 +44,20 @@ def conv_commit(conv_state, x, path, length):
     conv_state.copy_(new.transpose(1, 2))
 
 
-def conv_sequence(x, conv_state, weight, bias):
-    """AR/prefill reference: causal conv over a plain sequence, updating the conv state in place."""
+def conv_sequence(x, conv_state, weight, bias, valid=None):
+    """AR/prefill reference: causal conv over a plain sequence, updating the conv state in place.
+    valid [B]: only the first valid[b] inputs are real; the state ends after the last of them."""
     B, T, C = x.shape
     W = weight.shape[1]
     hist = torch.cat([conv_state.transpose(1, 2).to(x.dtype), x], dim=1).transpose(1, 2)  # [B, C, W-1+T]
     y = F.conv1d(hist, weight.to(x.dtype)[:, None, :], bias.to(x.dtype) if bias is not None else None, groups=C)
     if W > 1:
-        conv_state.copy_(hist[:, :, -(W - 1):].to(conv_state.dtype))
+        if valid is None:
+            tail = hist[:, :, -(W - 1):]
+        else:
+            idx = valid[:, None] + torch.arange(W - 1, device=x.device)[None]
+            tail = hist.gather(2, idx[:, None].expand(-1, C, -1))
+        conv_state.copy_(tail.to(conv_state.dtype))
     return F.silu(y.transpose(1, 2))
 
 
