@@ -28,7 +28,7 @@ from specla.drafters.base import pad_draft
 from specla.model import Model, ModelOutput
 from specla.state import Cache, GDNLayerState
 
-# GraphTarget's prefill: a prompt shorter than ops.CHUNK_MIN_TOKENS goes as chains of
+# GraphTarget's prefill: a prompt shorter than SEQUENCE_FROM tokens goes as chains of
 # PREFILL_WIDTH tokens, each verified and committed in one graph replay; a longer one as plain
 # sequences of ops.CHUNK_MIN_TOKENS tokens (fla's chunk kernel), the last padded, one replay each.
 # 2026-12-02 H200 e2e, demo pair: the plain path cost ~8 ms a prompt below 512 tokens and a
@@ -36,6 +36,10 @@ from specla.state import Cache, GDNLayerState
 # a chain replay costs 0.63 ms a 32-token chunk. 32 keeps the verify's conv and factors in one
 # kernel (ops' TREE_PRELUDE_MAX_NODES).
 PREFILL_WIDTH = 32
+# `specla bench prefill` on the H200 (prefill.json, bebcf18): one padded 512-token sequence
+# costs 2.6 ms whatever its real length, 32-token chains 0.65 ms each, so sequences win from
+# 128 tokens on (2.59 vs 2.59 ms at 128, 2.60 vs 5.10 at 256, 2.61 vs 10.26 at 511).
+SEQUENCE_FROM = 128
 # `SPECLA_PREFILL=plain`: every prefill takes the plain forward (the A/B switch for benchmarks)
 PREFILL = os.environ.get("SPECLA_PREFILL", "graph")
 if PREFILL not in ("graph", "plain"):
@@ -247,10 +251,10 @@ class GraphTarget(EagerTarget):
 
     def prefill(self, tokens, capture=(), mode: str | None = None):
         """The prompt in fixed-width chunks, one graph replay each (see PREFILL_WIDTH): below
-        ops.CHUNK_MIN_TOKENS padded chains verified and committed, from there plain sequences
-        of that width; `valid` stops the recurrence, the conv and the commit at a chunk's real
-        length. `SPECLA_PREFILL=plain` takes the plain forward, as does a prompt whose chunks
-        cannot be captured (`_capturable`). mode: force "chain", "sequence" or "plain"
+        SEQUENCE_FROM tokens padded chains verified and committed, from there plain sequences of
+        ops.CHUNK_MIN_TOKENS tokens; `valid` stops the recurrence, the conv and the commit at a
+        chunk's real length. `SPECLA_PREFILL=plain` takes the plain forward, as does a prompt
+        whose chunks cannot be captured (`_capturable`). mode: force "chain", "sequence" or "plain"
         (`prefill_mode`; `bench prefill` times each)."""
         B, T = tokens.shape
         mode = self.prefill_mode(T, mode)
@@ -287,27 +291,29 @@ class GraphTarget(EagerTarget):
         return ModelOutput(torch.cat(logits, 1), {i: torch.cat(h, 1) for i, h in hidden.items()})
 
     def prefill_mode(self, T: int, mode: str | None = None) -> str:
-        """How `prefill` consumes T tokens: "chain" below ops.CHUNK_MIN_TOKENS, "sequence" from
-        there, "plain" under SPECLA_PREFILL=plain; a chain or sequence (also a forced one) that
+        """How `prefill` consumes T tokens: "chain" below SEQUENCE_FROM tokens, "sequence" from
+        there (chains where sequences cannot be captured: their padding would overrun a K/V
+        cache), "plain" under SPECLA_PREFILL=plain; a chain or sequence (also a forced one) that
         cannot be captured here runs plain."""
+        if mode is None and PREFILL == "plain":
+            return "plain"
         if mode is None:
-            mode = "plain" if PREFILL == "plain" else "chain" if T < ops.CHUNK_MIN_TOKENS else "sequence"
+            modes = ("sequence", "chain") if T >= SEQUENCE_FROM else ("chain",)
+            return next((m for m in modes if self._capturable(T, m)), "plain")
         if mode not in ("chain", "sequence", "plain"):
             raise ValueError(f"prefill mode {mode!r}: expected chain, sequence or plain")
         return mode if mode == "plain" or self._capturable(T, mode) else "plain"
 
     def _capturable(self, T: int, mode: str) -> bool:
         """Whether T tokens go as chunks of this mode from a graph: every MoE layer takes its
-        gather path at the chunk's width, and plain sequences (not chains) padded to whole
-        chunks fit every K/V cache (they write K/V at all their positions; one host read,
+        gather path at the chunk's width, and the prompt padded to whole chunks fits every K/V
+        cache (a chunk, chain or sequence, writes K/V at all its positions; one host read,
         before the first replay)."""
         from specla.moe import SparseMoE
 
         W = _chunk_width(mode)
         if any(isinstance(blk.mlp, SparseMoE) and not blk.mlp.gathers(W) for blk in self.model.layers):
             return False
-        if mode == "chain":
-            return True
         sizes = [st.k.shape[2] for st in self.cache.layers if not isinstance(st, GDNLayerState)]
         return not sizes or int(self.cache.length.max()) + -(-T // W) * W <= min(sizes)
 
@@ -372,7 +378,7 @@ class GraphTarget(EagerTarget):
             out = self._model_verify(self.tokens, self.parents, capture, chain, self.valid)
             acc = self._accept(self.tokens, self.parents, out.logits, self.valid)
             settled = self._settle(self.tokens, self.parents, self.valid, out.logits, out.hidden, acc)
-            self.cache.commit(out.records, acc.path, settled.count, self.delayed)
+            self.cache.commit(out.records, acc.path, settled.count, self.delayed, chain)
             return settled
 
         graph, outs = self.graphs.get(key) or self._capture(key, run)

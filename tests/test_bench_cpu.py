@@ -432,6 +432,7 @@ def test_bench_prefill_on_emulated_graphs(tmp_path, monkeypatch):
     emulate_graphs(monkeypatch)
     monkeypatch.setattr(ops, "CHUNK_MIN_TOKENS", 8)
     monkeypatch.setattr(engine, "PREFILL_WIDTH", 4)
+    monkeypatch.setattr(engine, "SEQUENCE_FROM", 8)
     res = prefill.run(lengths=(3, 9, 20), reps=1, device="cpu", dtype="float32", out_dir=tmp_path)
     data = json.loads((tmp_path / "prefill.json").read_text())
     assert data["rows"] == res["rows"] and len(data["rows"]) == 9 and data["device"] and data["commit"]

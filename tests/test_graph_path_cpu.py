@@ -106,16 +106,17 @@ def test_graph_prefill_equals_the_plain_forward(graph_path, monkeypatch):
 
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_long_prompt_graph_prefill_equals_the_plain_forward(monkeypatch, hybrid):
-    """From ops.CHUNK_MIN_TOKENS tokens on, `GraphTarget.prefill` replays plain sequences of that
-    width, the last one padded and masked by `valid` (4 + 4 + 2 tokens here, after a first
-    prompt so the chunks start mid-cache): logits, features, GDN and conv states, K/V and the
-    length equal the plain forward's. A prompt whose padding would overrun the K/V caches takes
-    the plain forward."""
+    """From engine.SEQUENCE_FROM tokens on, `GraphTarget.prefill` replays plain sequences of
+    ops.CHUNK_MIN_TOKENS tokens, the last one padded and masked by `valid` (4 + 4 + 2 tokens
+    here, after a first prompt so the chunks start mid-cache): logits, features, GDN and conv
+    states, K/V and the length equal the plain forward's. A prompt whose padding would overrun
+    the K/V caches goes as chains instead, or plain where chains would overrun them too."""
     from specla import engine
     from specla.config import ATTENTION, GDN
 
     emulate_graphs(monkeypatch)
     monkeypatch.setattr(ops, "CHUNK_MIN_TOKENS", 4)
+    monkeypatch.setattr(engine, "SEQUENCE_FROM", 4)
     over = dict(layer_types=[GDN, ATTENTION], attn_num_heads=2, attn_num_kv_heads=1, attn_head_dim=8) if hybrid else {}
     cfg = tiny_config(5, num_hidden_layers=2, use_short_conv=True, **over)
     model = random_model(cfg, 5, dtype=torch.float64)
@@ -140,12 +141,22 @@ def test_long_prompt_graph_prefill_equals_the_plain_forward(monkeypatch, hybrid)
                 n = int(ref_cache.length)
                 torch.testing.assert_close(got.k[:, :, :n], want.k[:, :, :n], rtol=1e-10, atol=1e-10)
                 torch.testing.assert_close(got.v[:, :, :n], want.v[:, :, :n], rtol=1e-10, atol=1e-10)
-    if hybrid:  # 9 + 12 padded positions overrun a 20-slot cache: the plain forward, no graph
-        target = GraphTarget(model, 1, 20, 1, False)
-        target.prefill(torch.tensor([_prompt(cfg.vocab_size, 3, length=6)]))
-        target.prefill(prompt, capture=(0,))
-        assert ("prefill", 4, ()) in target.graphs and ("prefill", 4, (0,)) not in target.graphs
-        assert int(target.cache.length) == 19
+    if hybrid:  # 9 + 12 padded positions overrun a 20-slot cache: chains, as the plain forward
+        with monkeypatch.context() as m:  # 2-token chains fit where 4-token sequences do not
+            m.setattr(engine, "PREFILL_WIDTH", 2)
+            target = GraphTarget(model, 1, 20, 1, False)
+            target.prefill(torch.tensor([_prompt(cfg.vocab_size, 3, length=6)]))
+            ref_cache = model.new_cache(1, max_len=20)
+            model.forward(torch.tensor([_prompt(cfg.vocab_size, 3, length=6)]), ref_cache)
+            assert target.prefill_mode(prompt.shape[1]) == "chain"
+            out = target.prefill(prompt, capture=(0,))
+            assert ("prefill", 4, ()) in target.graphs and ("prefill", 4, (0,)) not in target.graphs
+            assert ("prefill", engine.PREFILL_WIDTH, (0,)) in target.graphs
+            torch.testing.assert_close(out.logits, model.forward(prompt, ref_cache).logits, rtol=1e-10, atol=1e-10)
+            assert int(target.cache.length) == 19
+            target = GraphTarget(model, 1, 20, 1, False)  # 9 + 11 tokens in 2-token chunks need 21 slots: plain
+            target.prefill(torch.tensor([_prompt(cfg.vocab_size, 3, length=6)]))
+            assert target.prefill_mode(11) == "plain"
     # a sparse MoE layer whose grouped path would read expert ids on the host: no graph
     moe = random_model(tiny_config(5, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
                                    moe_intermediate_size=8), 5, dtype=torch.float64)

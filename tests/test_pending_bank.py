@@ -70,3 +70,30 @@ def test_delayed_rounds_with_bank_equal_immediate(fused):
     for a, b in zip(caches[True].layers, caches[False].layers):
         assert torch.allclose(a.S, b.S, atol=1e-10)
         assert int(a.pending[3].abs().sum()) == 0
+
+
+def test_chain_store_equals_the_gather():
+    """A chain round's accepted path is a prefix (0, 1, ...): `store(chain=True)` stacks the
+    records into the buffers without a gather; what a flush reads (the first `length` nodes)
+    and the state it leaves equal the per-layer gather's."""
+    model = random_model(tiny_config(3, num_hidden_layers=3), 3)
+    g = torch.Generator().manual_seed(2)
+    cache = model.new_cache(2, 64)
+    model.forward(torch.randint(0, model.cfg.vocab_size, (2, 5), generator=g), cache)
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 6), generator=g)
+    out = model.verify(tokens, torch.arange(-1, 5).expand(2, -1), cache)
+    path, length = torch.tensor([[0, 1, 2, 0, 0, 0], [0, 1, 2, 3, 4, 0]]), torch.tensor([3, 5])
+    ref = cache.clone()
+    cache.make_bank(out.records, 2, 6)
+    cache.commit(out.records, path, length, delayed=True, chain=True)
+    for st, rec in zip(ref.layers, out.records):
+        st.set_pending(rec, path, length)
+    for a, b in zip(cache.layers, ref.layers):
+        for x, y in zip(a.pending[:3], b.pending[:3]):
+            for row, n in enumerate(length.tolist()):
+                assert torch.equal(x[row, :n], y[row, :n])
+        assert torch.equal(a.pending[3], b.pending[3])
+    cache.flush()
+    ref.flush()
+    for a, b in zip(cache.layers, ref.layers):
+        assert torch.equal(a.S, b.S)

@@ -9,7 +9,7 @@ graph replay each, in one of two ways, or eagerly:
   last one padded and masked;
 - `plain`: the model's plain forward (compiled regions under `--compile` / SPECLA_COMPILE).
 
-`GraphTarget` takes `chain` below `ops.CHUNK_MIN_TOKENS` and `sequence` from there. This times
+`GraphTarget` takes `chain` below `engine.SEQUENCE_FROM` tokens and `sequence` from there. This times
 every mode at every length on random prompts, from an empty cache (an AR target's prefill,
 no features captured): the median of `reps` prefills, CUDA-synchronised, after one untimed
 prefill that compiles and captures. `crossover_tokens` is the shortest measured length from
@@ -56,7 +56,7 @@ def run(model_dir=None, lengths=LENGTHS, modes=MODES, reps: int = 5, device: str
 
     import specla.api as api
     from specla import ops
-    from specla.engine import PREFILL_WIDTH, GraphTarget
+    from specla.engine import PREFILL_WIDTH, SEQUENCE_FROM, GraphTarget
 
     lm = api.load(model_dir, device=device, dtype=dtype, compile=compile)
     model, dev = lm.model, lm.model.device
@@ -80,9 +80,10 @@ def run(model_dir=None, lengths=LENGTHS, modes=MODES, reps: int = 5, device: str
             ms = statistics.median(times)
             rows.append({"mode": mode, "used": target.prefill_mode(T, mode), "tokens": T, "ms": ms,
                          "ms_min": min(times), "us_per_token": 1e3 * ms / T})
-    result = {"model": str(lm.model_dir), "dtype": str(model.dtype).replace("torch.", ""),
-              "compile": compile, "reps": reps, "chain_width": PREFILL_WIDTH, "sequence_width": W,
-              "switch_tokens": W, "crossover_tokens": crossover(rows), "rows": rows}
+    result = {"model": str(lm.model_dir), "dtype": str(model.dtype).replace("torch.", ""), "compile": compile,
+              "fused": getattr(getattr(model, "_fused", None), "mode", None), "reps": reps,
+              "chain_width": PREFILL_WIDTH, "sequence_width": W,
+              "switch_tokens": SEQUENCE_FROM, "crossover_tokens": crossover(rows), "rows": rows}
     out = Path(out_dir)
     result = json.loads(write_results(name, result, out).read_text())  # with device, versions, commit, date
     _plot(result, out / f"{name}.png")
