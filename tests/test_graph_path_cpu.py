@@ -104,6 +104,27 @@ def test_graph_prefill_equals_the_plain_forward(graph_path, monkeypatch):
     assert not target.graphs
 
 
+def test_prefill_mode_switches_at_the_measured_crossover(monkeypatch):
+    """Chains below engine.SEQUENCE_FROM tokens, padded sequences from there (the H200's
+    crossover, bench prefill); a hybrid cache too short for a sequence's padding takes chains,
+    one too short for those the plain forward; SPECLA_PREFILL=plain always the plain forward."""
+    from specla import engine
+    from specla.config import ATTENTION, GDN
+
+    S = engine.SEQUENCE_FROM
+    target = GraphTarget(random_model(tiny_config(6, num_hidden_layers=2), 6), 1, 64, 1, False)
+    assert [target.prefill_mode(T) for T in (1, S - 1, S, 4096)] == ["chain", "chain", "sequence", "sequence"]
+    over = dict(layer_types=[GDN, ATTENTION], attn_num_heads=2, attn_num_kv_heads=1, attn_head_dim=8)
+    hybrid = random_model(tiny_config(6, num_hidden_layers=2, **over), 6)
+    room = ops.CHUNK_MIN_TOKENS + engine.PREFILL_WIDTH
+    assert GraphTarget(hybrid, 1, room, 1, False).prefill_mode(S) == "sequence"
+    assert GraphTarget(hybrid, 1, room - engine.PREFILL_WIDTH - 1, 1, False).prefill_mode(S) == "chain"
+    assert GraphTarget(hybrid, 1, S + 1, 1, False).prefill_mode(S + 2) == "plain"
+    assert target.prefill_mode(S, "chain") == "chain" and target.prefill_mode(1, "sequence") == "sequence"
+    monkeypatch.setattr(engine, "PREFILL", "plain")
+    assert target.prefill_mode(S) == target.prefill_mode(1) == "plain"
+
+
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_long_prompt_graph_prefill_equals_the_plain_forward(monkeypatch, hybrid):
     """From engine.SEQUENCE_FROM tokens on, `GraphTarget.prefill` replays plain sequences of
