@@ -295,9 +295,9 @@ class GraphTarget(EagerTarget):
         there (chains where sequences cannot be captured: their padding would overrun a K/V
         cache), "plain" under SPECLA_PREFILL=plain; a chain or sequence (also a forced one) that
         cannot be captured here runs plain."""
-        if mode is None and PREFILL == "plain":
-            return "plain"
         if mode is None:
+            if PREFILL == "plain":
+                return "plain"
             modes = ("sequence", "chain") if T >= SEQUENCE_FROM else ("chain",)
             return next((m for m in modes if self._capturable(T, m)), "plain")
         if mode not in ("chain", "sequence", "plain"):

@@ -121,19 +121,20 @@ class PendingBank:
         B, P = path.shape
         L = len(self.layers)
         n = records[self.layers[0]].k.shape[1]
-        rows = torch.arange(B, device=path.device)[:, None] * n
-        idx = (rows + path).reshape(-1)  # flat node index per (b, p)
-        for buf, name in ((self.k, "k"), (self.g, "g"), (self.u, "u")):
-            parts = [getattr(records[i], name) for i in self.layers]
-            if chain and P == n == self.nodes:
+        factors = [(buf, [getattr(records[i], name) for i in self.layers])
+                   for buf, name in ((self.k, "k"), (self.g, "g"), (self.u, "u"))]
+        if chain and P == n == self.nodes:
+            for buf, parts in factors:
                 torch.stack(parts, out=buf)
-                continue
-            src = torch.stack(parts).reshape(L, B * n, -1)  # [L, B * n, ...]
-            dst = buf[:, :, :P]
-            if dst.is_contiguous():  # P == nodes: gather straight into the buffers
-                torch.index_select(src, 1, idx, out=dst.view(L, B * P, -1))
-            else:
-                dst.copy_(src.index_select(1, idx).view(dst.shape))
+        else:
+            idx = (torch.arange(B, device=path.device)[:, None] * n + path).reshape(-1)  # flat node per (b, p)
+            for buf, parts in factors:
+                src = torch.stack(parts).reshape(L, B * n, -1)  # [L, B * n, ...]
+                dst = buf[:, :, :P]
+                if dst.is_contiguous():  # P == nodes: gather straight into the buffers
+                    torch.index_select(src, 1, idx, out=dst.view(L, B * P, -1))
+                else:
+                    dst.copy_(src.index_select(1, idx).view(dst.shape))
         self.length.copy_(length.reshape(1, B).expand(L, B))
 
 
