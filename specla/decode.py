@@ -193,19 +193,12 @@ class Decoder:
             gen = torch.Generator(device=dev)
             gen.manual_seed(self.sampling.seed if self.sampling.seed is not None else torch.seed())
         capture = self.drafter.capture if self.drafter is not None else ()
-        if self.drafter is not None:
-            self.drafter.reset(B, horizon=T + max_new_tokens)  # acceptance cuts at the room left
         result = GenerationResult(tokens=[], route=self.route)
-
-        target = self._target(B, T + max_new_tokens + 64)
+        target = self.start(B, T + max_new_tokens)
         cache = target.cache
         _sync(dev)
         t0 = time.perf_counter()
-        for s in range(0, T - 1, self.prefill_chunk):
-            chunk = prompts[:, s:min(s + self.prefill_chunk, T - 1)]
-            out = target.prefill(chunk, capture)
-            if self.drafter is not None:
-                self.drafter.extend(chunk, out.hidden, torch.full((B,), chunk.shape[1], device=dev))
+        self.prefill(target, prompts)
         _sync(dev)
         t1 = time.perf_counter()
         result.prefill_seconds = t1 - t0
@@ -228,6 +221,23 @@ class Decoder:
         _sync(dev)
         result.decode_seconds = time.perf_counter() - t1
         return emitted, result, cache
+
+    def start(self, batch: int, max_len: int):
+        """A fresh target (and drafter) for a generation of up to max_len positions."""
+        if self.drafter is not None:
+            self.drafter.reset(batch, horizon=max_len)  # acceptance cuts at the room left
+        return self._target(batch, max_len + 64)
+
+    def prefill(self, target, prompts: torch.Tensor) -> None:
+        """Consume all but the last prompt token (the first round's root) into the target and
+        the drafter."""
+        B, T = prompts.shape
+        capture = self.drafter.capture if self.drafter is not None else ()
+        for s in range(0, T - 1, self.prefill_chunk):
+            chunk = prompts[:, s:min(s + self.prefill_chunk, T - 1)]
+            out = target.prefill(chunk, capture)
+            if self.drafter is not None:
+                self.drafter.extend(chunk, out.hidden, torch.full((B,), chunk.shape[1], device=chunk.device))
 
     def _runs_ahead(self, target) -> bool:
         """Whether round r + 1 is queued before the host reads round r: greedy rounds on CUDA
