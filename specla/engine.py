@@ -288,6 +288,8 @@ class GraphTarget(EagerTarget):
             logits.append(lg[:, :n].clone())
             for i in capture:
                 hidden[i].append(hid[i][:, :n].clone())
+        if len(logits) == 1:  # most prompts: no concatenation (a launch each)
+            return ModelOutput(logits[0], {i: h[0] for i, h in hidden.items()})
         return ModelOutput(torch.cat(logits, 1), {i: torch.cat(h, 1) for i, h in hidden.items()})
 
     def prefill_mode(self, T: int, mode: str | None = None) -> str:

@@ -208,12 +208,13 @@ def _make_factors(H, K, neg, sdt):
 
 
 def _linear(x, w, gemv: str):
-    """F.linear, or with gemv "triton" specla's batch-1 matmul kernels (`ops.skinny_linear`, a
+    """`ops.linear` (F.linear; fp32's few-row products on the skinny GEMM), or with gemv "triton"
+    specla's batch-1 matmul kernels for every dtype (`ops.skinny_linear`, a
     custom op: one opaque call inside the compiled region): the GEMV for an AR step's single
     row, the skinny GEMM for a verify's few. Inductor generating the GEMV itself, as a
     reduction with the norm fused into its loads, was measured slower than cuBLAS on the H200
     (AR step 2.08 against 1.64 ms; BENCHMARKS.md)."""
-    return ops.skinny_linear(x, w) if gemv == "triton" else F.linear(x, w)
+    return ops.skinny_linear(x, w) if gemv == "triton" else ops.linear(x, w)
 
 
 def _make_seq_pre(eps, zc, sizes, conv, use_gate, factor_consts, gemv="cublas"):

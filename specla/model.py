@@ -44,7 +44,7 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return ops.linear(F.silu(ops.linear(x, self.gate_proj.weight)) * ops.linear(x, self.up_proj.weight), self.down_proj.weight)
 
 
 class GatedDeltaNet(nn.Module):

@@ -463,15 +463,16 @@ def test_graphed_drafting_equals_eager(monkeypatch, route):
         n = int(eager.len.max())
         torch.testing.assert_close(eager.k[:, :, :n], graphed.k[:, :, :n], rtol=0, atol=1e-12)
     assert graphed.capacity > 16 and graphed._extend_graphs  # the cache grew; extend ran from a graph
-    assert eagle.PROMPT_CHUNK in graphed._extend_graphs  # the prompt's chunks replayed a graph too
-    # a round's extend reads the accepted path's longest possible width, not the node budget
-    assert set(graphed._extend_graphs) - {eagle.PROMPT_CHUNK} == {graphed.depth + 1}
-    # prefill in chunks of another width: no new extend graph (it would compile mid-generation)
-    widths = set(graphed._extend_graphs)
+    # the prompt's (first) chunk replayed a graph too; a round's extend reads the accepted path's
+    # longest possible width, not the node budget
+    assert set(graphed._extend_graphs) == {(eagle.PROMPT_CHUNK, True), (graphed.depth + 1, False)}
+    # prefill in chunks of another width: no extend graph of a new width (it would compile
+    # mid-generation); the chunks after the first take the prompt width's other graph
     prompt = torch.tensor([make_prompt(cfg, 3, 14)])  # 20 tokens: chunks of 8, 8 and 3
     ar = Decoder(model).run(prompt, 16)[0]
     assert Decoder(model, graphed, route, prefill_chunk=8).run(prompt, 16)[0] == ar
-    assert set(graphed._extend_graphs) == widths
+    assert set(graphed._extend_graphs) == {(eagle.PROMPT_CHUNK, True), (eagle.PROMPT_CHUNK, False),
+                                           (graphed.depth + 1, False)}
 
 
 def test_attention_window_holds_the_committed_entries_and_the_rollout():
@@ -551,3 +552,24 @@ def test_drafter_graphs_follow_the_target_fusion():
         assert fused.mode_of(model) == "default" and d._graph_fns()[2] is fused.no_compiles
     finally:
         model.fuse(False)
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_fp32_attention_equals_sdpa(n):
+    """fp32 drafts attend through two matmuls and a softmax (fp32 SDPA is a slow kernel on
+    CUDA): the same values as SDPA, with masked-out keys ignored."""
+    cfg = tiny_config()
+    dm = EagleDrafterModel(EagleConfig.for_target(cfg)).float()
+    g = torch.Generator().manual_seed(n)
+    H, hd, L = dm.cfg.num_heads, dm.cfg.head_dim, 11
+    q = torch.randn(2, n, H, hd, generator=g)
+    keys, values = torch.randn(2, H, L, hd, generator=g), torch.randn(2, H, L, hd, generator=g)
+    mask = torch.rand(2, n, L, generator=g) < 0.6
+    mask[..., 0], mask[..., 5] = True, False
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double().transpose(1, 2), keys.double(), values.double(), attn_mask=mask[:, None], scale=dm.scale)
+    out = dm.attend(q, keys, values, mask)
+    assert out.dtype == torch.float32
+    assert torch.allclose(out.double(), ref.transpose(1, 2).flatten(2), atol=1e-6)
+    keys[:, :, 5], values[:, :, 5] = 1e4, 1e4  # a masked key and its value leave no trace
+    assert torch.equal(dm.attend(q, keys, values, mask), out)

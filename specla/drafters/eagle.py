@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from specla import fused, graphs, topology
+from specla import fused, graphs, ops, topology
 from specla.attention import apply_rotary, rotary_inv_freq
 from specla.config import ModelConfig
 from specla.drafters import tree
@@ -132,16 +132,16 @@ class EagleDrafterModel(nn.Module):
     # pieces shared by drafting and training ----------------------------------------------------
     def features(self, hidden: Sequence[torch.Tensor]) -> torch.Tensor:
         """The fused target feature F [B, n, D] from the captured layers' residual streams."""
-        return self.fuse(torch.cat([norm(h) for norm, h in zip(self.feature_norms, hidden)], -1))
+        return ops.linear(torch.cat([norm(h) for norm, h in zip(self.feature_norms, hidden)], -1), self.fuse.weight)
 
     def inputs(self, emb: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
         """Entry input from the next token's embedding and a feature (F, or the drafter's own h)."""
-        return self.fc(torch.cat([self.norm_emb(emb), self.norm_feat(feat)], -1))
+        return ops.linear(torch.cat([self.norm_emb(emb), self.norm_feat(feat)], -1), self.fc.weight)
 
     def qkv(self, x: torch.Tensor, pos: torch.Tensor):
         """x [B, n, D] at positions pos [B, n] -> q, k (rotated), v, each [B, n, H, hd]."""
         B, n, _ = x.shape
-        q, k, v = self.qkv_proj(self.attn_norm(x)).reshape(B, n, 3, self.cfg.num_heads, self.cfg.head_dim).unbind(2)
+        q, k, v = ops.linear(self.attn_norm(x), self.qkv_proj.weight).reshape(B, n, 3, self.cfg.num_heads, self.cfg.head_dim).unbind(2)
         f = self.inv_freq(x.device, x.dtype)
         return apply_rotary(q, pos, f), apply_rotary(k, pos, f), v
 
@@ -153,17 +153,24 @@ class EagleDrafterModel(nn.Module):
 
     def attend(self, q, keys, values, mask) -> torch.Tensor:
         """q [B, n, H, hd] against keys, values [B, H, L, hd] under mask [B, n, L] -> [B, n, H * hd]."""
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
-                                           attn_mask=mask[:, None], scale=self.scale)
+        q, keys, values = q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype)
+        if q.dtype == torch.float32:
+            # fp32 SDPA takes the memory-efficient kernel on CUDA, 26 µs a call on the H200 for
+            # a draft step's few queries (rounds_fp32_profile.json); as two matmuls and a
+            # softmax it is a few small kernels
+            s = (q @ keys.transpose(-1, -2)).mul(self.scale).masked_fill(~mask[:, None], float("-inf"))
+            o = torch.softmax(s, -1) @ values
+        else:
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], scale=self.scale)
         return o.transpose(1, 2).flatten(2)
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The rest of the layer after attention: h [B, n, D] (the next step's feature)."""
-        x = x + self.o_proj(attn)
+        x = x + ops.linear(attn, self.o_proj.weight)
         return x + self.mlp(self.mlp_norm(x))
 
     def logits(self, h: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.norm(h), lm_head_weight)
+        return ops.linear(self.norm(h), lm_head_weight)
 
     # training ---------------------------------------------------------------------------------
     def unroll(self, feats: torch.Tensor, emb: torch.Tensor, steps: int) -> list[torch.Tensor]:
@@ -364,7 +371,7 @@ class EagleDrafter(Drafter):
         if self.graphs and self.started and n > 0:
             self._extend_replay(tokens, hidden, length)
         else:
-            self._extend(tokens, hidden, length)
+            self._extend(tokens, hidden, length, not self.started)
         self._bound += max(n, 0)
         self.started = True
 
@@ -373,23 +380,23 @@ class EagleDrafter(Drafter):
         one graph. Run eagerly it was ~2 ms of host time a prompt (H200 e2e of d302d7f: drafted
         routes' prefill 12.7-12.9 ms a prompt against AR's 11.0), and a graph per chunk width would
         compile in the middle of a generation (2.1 s for a 28-token chunk in bench e2e)."""
-        if not self.started:  # the first token has no feature before it: its own is pending
-            self.pending.copy_(self.model.features([hidden[i][:, :1] for i in self.capture])[:, 0])
-            self.started = True
-            tokens, hidden, length = tokens[:, 1:], {i: hidden[i][:, 1:] for i in self.capture}, length - 1
         T, W = tokens.shape[1], PROMPT_CHUNK
         for s in range(0, T, W):
             n = min(W, T - s)
+            first = not self.started  # the prompt's first token adds no entry: its feature is pending
             self._reserve(W)  # the graph writes all W slots; those past the length are scratch
             self._extend_replay(tokens[:, s:s + n], {i: hidden[i][:, s:s + n] for i in self.capture},
-                                (length - s).clamp(0, n), width=W)
-            self._bound += n
+                                length if n == T else (length - s).clamp(0, n), width=W, first=first)
+            self._bound += n - first
+            self.started = True
 
-    def _extend(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], length: torch.Tensor) -> None:
-        """The device work of `extend` (the cache must have room: `_reserve`)."""
+    def _extend(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], length: torch.Tensor,
+                first: bool = False) -> None:
+        """The device work of `extend` (the cache must have room: `_reserve`); `first`: these are
+        the first tokens the drafter consumes."""
         m = self.model
         feats = m.features([hidden[i] for i in self.capture])  # [B, n, D]
-        if not self.started:  # the first consumed token has no feature before it
+        if first:  # the first consumed token has no feature before it
             tok, feat, count = tokens[:, 1:], feats[:, :-1], (length - 1).clamp(min=0)
         else:
             tok, feat, count = tokens, torch.cat([self.pending[:, None], feats[:, :-1]], 1), length
@@ -402,22 +409,26 @@ class EagleDrafter(Drafter):
             self._store(self.k, self.v, slots, k, v)
         self.len.add_(count)
         last = feats[torch.arange(feats.shape[0], device=feats.device), (length - 1).clamp(min=0)]
-        self.pending.copy_(torch.where((length > 0)[:, None], last, self.pending) if self.started else last)
+        self.pending.copy_(last if first else torch.where((length > 0)[:, None], last, self.pending))
 
     def _extend_replay(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], length: torch.Tensor,
-                       width: int | None = None) -> None:
-        """`_extend` (started) from a CUDA graph over static copies of its inputs, one graph per
-        width: a round's (depth + 1, the longest accepted path) or the prompt chunks' (`width`,
-        which a narrower last chunk fills from the front; the rest is stale and past `length`)."""
+                       width: int | None = None, first: bool = False) -> None:
+        """`_extend` from a CUDA graph over static copies of its inputs, one graph per width and
+        `first`: a round's (depth + 1, the longest accepted path) or the prompt chunks' (`width`,
+        which a narrower last chunk fills from the front; the rest is stale and past `length`),
+        the prompt's first chunk a graph of its own (its first token's feature only becomes
+        pending: eager, that was ~20 kernel launches a prompt)."""
         B, n = tokens.shape
-        key = width or n
+        key = (width or n, first)
         if key not in self._extend_graphs:
-            static = (tokens.new_zeros(B, key), {i: hidden[i].new_zeros(B, key, hidden[i].shape[2]) for i in self.capture},
+            W = key[0]
+            static = (tokens.new_zeros(B, W), {i: hidden[i].new_zeros(B, W, hidden[i].shape[2]) for i in self.capture},
                       torch.zeros_like(length))
             # warm-up and capture with zero lengths: the only writes land past the committed
-            # length (cache slots the next extend or rollout overwrites); len and pending keep
+            # length (cache slots the next extend or rollout overwrites); len keeps, and so
+            # does pending, except in a first chunk's, where it holds nothing yet
             guard = self._graph_fns()[2]
-            self._extend_graphs[key] = (graphs.capture(lambda: self._graph_fns()[1](*static), guard()), static)
+            self._extend_graphs[key] = (graphs.capture(lambda: self._graph_fns()[1](*static, first), guard()), static)
         graph, (st_tok, st_hid, st_len) = self._extend_graphs[key]
         st_tok[:, :n].copy_(tokens)
         for i in self.capture:
