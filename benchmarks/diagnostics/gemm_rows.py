@@ -1,7 +1,8 @@
 """The target's matmuls by row count and dtype: each weight of a checkpoint applied to M rows
 (1 = an AR step, 9 = an 8-token chain's verify, 17 = a 16-node tree's), every layer's copy in
-one CUDA graph, µs per matmul, and the cuBLAS kernel each call takes. Written to test whether
-fp32 rounds are slow because of the matmuls at 9 rows (TF32 off).
+one CUDA graph, µs per matmul, and the cuBLAS kernel each call takes; beside it `ops.linear`,
+the model's matmul (fp32's few-row products on specla's multiply-add kernel). Written to test
+whether fp32 rounds are slow because of the matmuls at 9 rows (TF32 off): they were.
 
     python benchmarks/diagnostics/gemm_rows.py [--model DIR] [--rows 1,9,17] [--out FILE]
 """
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import specla.api as api
+from specla import ops
 from specla.bench.common import environment, graph_time_ms
 
 
@@ -51,9 +53,16 @@ def main() -> None:
                     for w in ws:
                         F.linear(x, w)
 
+                def fn_ops():
+                    for w in ws:
+                        ops.linear(x, w)
+
                 us = graph_time_ms(fn, True) * 1e3 / len(ws)
+                us_ops = graph_time_ms(fn_ops, True) * 1e3 / len(ws)
                 out.append({"dtype": str(dtype).replace("torch.", ""), "weight": name, "shape": list(shape),
-                            "rows": m, "us": round(us, 2), "kernels": _kernel_names(lambda: F.linear(x, ws[0]))})
+                            "rows": m, "us": round(us, 2), "ops_linear_us": round(us_ops, 2),
+                            "kernels": _kernel_names(lambda: F.linear(x, ws[0])),
+                            "ops_linear_kernels": _kernel_names(lambda: ops.linear(x, ws[0]))})
                 print(out[-1])
     if args.out:
         Path(args.out).write_text(json.dumps({**environment(), "tf32": torch.backends.cuda.matmul.allow_tf32,

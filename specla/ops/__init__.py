@@ -297,18 +297,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("specla::fp32_linear", mutates_args=())
 def _fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """2 to SKINNY_MAX_ROWS fp32 rows on the skinny GEMM (IEEE products), the rest on cuBLAS. With
-    TF32 off (fp32 is meant to be fp32), cuBLAS takes a memset and an FFMA kernel of 26-32 µs
-    for the demo target's 9-row verify matmuls that take 3-4 µs at 1 row and 5-10 µs at 17
-    (H200, `benchmarks/diagnostics/gemm_rows.py`): an fp32 chain round cost 2.0 ms against
-    bf16's 0.9. A custom op, so that a compiled region keeps it one opaque call."""
+    """2 to SKINNY_MAX_ROWS fp32 rows by multiply-adds (`ops.linear.triton.rows`), the rest on
+    cuBLAS. With TF32 off (fp32 is meant to be fp32), cuBLAS takes a memset and an FFMA kernel
+    of 26-32 µs for the demo target's 9-row verify matmuls that take 3-4 µs at 1 row (H200,
+    `benchmarks/diagnostics/gemm_rows.py`): an fp32 chain round cost 2.0 ms against bf16's 0.9.
+    A custom op, so that a compiled region keeps it one opaque call."""
     from specla.ops.linear import triton as linear_triton
 
-    rows = x.numel() // max(x.shape[-1], 1)
-    if 2 <= rows <= linear_triton.SKINNY_MAX_ROWS and x.shape[-1] >= 16:
-        # a bf16 measurement may prefer cuBLAS for this shape; in fp32 the skinny GEMM stands
-        kernel, tiling = LINEAR_TILINGS.get(("skinny", *weight.shape), SKINNY_TILING)
-        return linear_triton.skinny(x, weight, **(tiling if kernel == "skinny" else SKINNY_TILING[1]))
+    if 2 <= x.numel() // max(x.shape[-1], 1) <= linear_triton.SKINNY_MAX_ROWS:
+        return linear_triton.rows(x, weight)
     return torch.nn.functional.linear(x, weight)
 
 

@@ -55,6 +55,20 @@ def test_skinny_matches_reference(M, N, K, tiling, seed):
     assert ((out - ref).abs().max() / ref.abs().max().clamp(min=1)) < 1e-5
 
 
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(M=st.sampled_from([1, 2, 9, 16, 17, 32]), N=st.sampled_from([1, 5, 37, 64, 130, 700]),
+       K=st.sampled_from([3, 16, 50, 130, 256]), seed=st.integers(0, 2**16))
+def test_rows_matches_reference(M, N, K, seed):
+    """The fp32 multiply-add kernel equals the reference."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, M, K, generator=g)
+    w = torch.randn(N, K, generator=g)
+    out = linear_triton.rows(x, w)
+    ref = naive.skinny(x, w)
+    assert out.shape == ref.shape == (1, M, N)
+    assert ((out - ref).abs().max() / ref.abs().max().clamp(min=1)) < 1e-5
+
+
 def test_skinny_rejects_too_many_rows():
     with pytest.raises(ValueError, match="rows"):
         linear_triton.skinny(torch.randn(1, 33, 64), torch.randn(8, 64))
@@ -113,8 +127,8 @@ def test_skinny_linear_runs_each_shape_its_measured_way(monkeypatch):
 
 @pytest.mark.parametrize("rows", [1, 2, 9, 17, 32, 33])
 def test_ops_linear_fp32_rows_match_f_linear(rows):
-    """ops.linear: fp32 products of 2-32 rows take the skinny GEMM where Triton runs (cuBLAS's
-    fp32 kernels at 9 rows were 8x slower on the H200), the rest F.linear; same values."""
+    """ops.linear: fp32 products of 2-32 rows take the multiply-add kernel where Triton runs
+    (cuBLAS's fp32 kernels at 9 rows were 8x slower on the H200), the rest F.linear; same values."""
     from specla import ops
 
     g = torch.Generator().manual_seed(rows)

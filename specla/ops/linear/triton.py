@@ -95,3 +95,40 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, *, block_m: int | None = None,
                                                BK=min(block_k, max(16, triton.next_power_of_2(K))), PREC=prec,
                                                num_warps=num_warps)
     return y
+
+
+@triton.jit
+def _rows_kernel(x, weight, y, n_rows, n_out, n_in, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    outs = tl.program_id(0) * BN + tl.arange(0, BN)
+    rows = tl.arange(0, BM)
+    cols = tl.arange(0, BK)
+    mo, mr = outs < n_out, rows < n_rows
+    p_w = weight + outs[:, None].to(tl.int64) * n_in + cols[None, :]
+    p_x = x + rows[:, None] * n_in + cols[None, :]
+    acc = tl.zeros([BM, BN, BK], dtype=tl.float32)
+    for k0 in range(0, n_in, BK):
+        mk = (k0 + cols < n_in)[None, :]
+        xt = tl.load(p_x + k0, mask=mr[:, None] & mk, other=0.0).to(tl.float32)
+        wt = tl.load(p_w + k0, mask=mo[:, None] & mk, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        acc += xt[:, None, :] * wt[None, :, :]
+    p_y = y + rows[:, None] * n_out + outs[None, :]
+    tl.store(p_y, tl.sum(acc, 2).to(y.dtype.element_ty), mask=mr[:, None] & mo[None, :])
+
+
+def rows(x: torch.Tensor, weight: torch.Tensor, *, num_warps: int = 4) -> torch.Tensor:
+    """`naive.skinny` for up to SKINNY_MAX_ROWS fp32 rows by multiply-adds, no `tl.dot`: each
+    program keeps a [BM, BN, BK] accumulator (rows × outputs × a K tile, as the GEMV keeps
+    [BN, BK]) and reduces it over K once. IEEE `tl.dot` took ~16 µs for the demo target's 9- and 17-row products on the
+    H200 (`_skinny_kernel`, rounds_fp32.json), cuBLAS 26-32 µs for some of them."""
+    N, K = weight.shape
+    M = x.numel() // K if x.shape[-1] == K else -1
+    if not 1 <= M <= SKINNY_MAX_ROWS:
+        raise ValueError(f"rows takes 1-{SKINNY_MAX_ROWS} rows of K values, got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}")
+    BM = max(2, triton.next_power_of_2(M))
+    BN = min(16, max(2, triton.next_power_of_2(N // 64)))  # ~64+ programs: spread over the SMs
+    BK = min(128, max(16, 4096 // (BM * BN)))  # 32 accumulators a thread at 4 warps
+    y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
+    _rows_kernel[(triton.cdiv(N, BN),)](x.contiguous(), weight.contiguous(), y, M, N, K, BM=BM, BN=BN, BK=BK,
+                                        num_warps=num_warps)
+    return y
