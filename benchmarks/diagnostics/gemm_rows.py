@@ -1,7 +1,8 @@
 """The target's matmuls by row count and dtype: each weight of a checkpoint applied to M rows
 (1 = an AR step, 9 = an 8-token chain's verify, 17 = a 16-node tree's), every layer's copy in
-one CUDA graph, µs per matmul, and the cuBLAS kernel each call takes; beside it `ops.linear`,
-the model's matmul (fp32's few-row products on specla's multiply-add kernel). Written to test
+one CUDA graph, µs per matmul, and the cuBLAS kernel each call takes; beside it `ops.linear`
+with SPECLA_FP32_LINEAR=rows (fp32's few-row products on specla's multiply-add kernel; its
+first run, gemm_rows_b5a3aec.json, had autograd on and so timed cuBLAS twice). Written to test
 whether fp32 rounds are slow because of the matmuls at 9 rows (TF32 off): they were.
 
     python benchmarks/diagnostics/gemm_rows.py [--model DIR] [--rows 1,9,17] [--out FILE]
@@ -36,6 +37,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1,9,16,17")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    torch.set_grad_enabled(False)  # as in decoding: ops.linear leaves products that need gradients to F.linear
+    ops.FP32_LINEAR = "rows"  # time the opt-in kernel beside cuBLAS
     lm = api.load(args.model, device="cuda", dtype="float32")
     groups: dict = {}
     for name, p in lm.model.named_parameters():

@@ -156,7 +156,7 @@ class EagleDrafterModel(nn.Module):
         q, keys, values = q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype)
         if q.dtype == torch.float32:
             # fp32 SDPA takes the memory-efficient kernel on CUDA, 26 µs a call on the H200 for
-            # a draft step's few queries (rounds_fp32_profile.json); as two matmuls and a
+            # a draft step's few queries (rounds_fp32_6a90719.json); as two matmuls and a
             # softmax it is a few small kernels
             s = (q @ keys.transpose(-1, -2)).mul(self.scale).masked_fill(~mask[:, None], float("-inf"))
             o = torch.softmax(s, -1) @ values

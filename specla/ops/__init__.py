@@ -287,9 +287,18 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, weight)
 
 
+# `SPECLA_FP32_LINEAR=rows`: fp32 products of 2-32 rows by specla's multiply-add kernel
+# (`_fp32_linear`) instead of cuBLAS. Opt-in until it is timed on the H200: cuBLAS is slow there
+# (gemm_rows_6a90719.json), the kernel is only tested against its reference so far.
+FP32_LINEAR = os.environ.get("SPECLA_FP32_LINEAR", "cublas")
+if FP32_LINEAR not in ("cublas", "rows"):
+    raise ValueError(f"SPECLA_FP32_LINEAR={FP32_LINEAR!r}: expected cublas or rows")
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear, except for fp32 activations on CUDA outside autograd (`_fp32_linear`)."""
-    if (x.dtype == torch.float32 and use_triton(x)
+    """The model's and the drafter's matmul: F.linear, or under SPECLA_FP32_LINEAR=rows for fp32
+    activations where Triton runs, outside autograd, `_fp32_linear`."""
+    if (FP32_LINEAR == "rows" and x.dtype == torch.float32 and use_triton(x)
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return _fp32_linear(x, weight)
     return torch.nn.functional.linear(x, weight)

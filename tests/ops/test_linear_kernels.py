@@ -126,11 +126,15 @@ def test_skinny_linear_runs_each_shape_its_measured_way(monkeypatch):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 9, 17, 32, 33])
-def test_ops_linear_fp32_rows_match_f_linear(rows):
-    """ops.linear: fp32 products of 2-32 rows take the multiply-add kernel where Triton runs
-    (cuBLAS's fp32 kernels at 9 rows were 8x slower on the H200), the rest F.linear; same values."""
+def test_ops_linear_fp32_rows_match_f_linear(rows, monkeypatch):
+    """ops.linear under SPECLA_FP32_LINEAR=rows: fp32 products of 2-32 rows take the
+    multiply-add kernel where Triton runs (cuBLAS's fp32 kernels at 9 rows were 8x slower on the
+    H200), the rest F.linear; same values."""
     from specla import ops
 
+    monkeypatch.setattr(ops, "FP32_LINEAR", "rows")
+    taken = []
+    monkeypatch.setattr(linear_triton, "rows", lambda x, w, _f=linear_triton.rows: taken.append(1) or _f(x, w))
     g = torch.Generator().manual_seed(rows)
     x, w = torch.randn(1, rows, 48, generator=g), torch.randn(20, 48, generator=g)
     with ops.backend("triton"):
@@ -138,13 +142,15 @@ def test_ops_linear_fp32_rows_match_f_linear(rows):
     ref = torch.nn.functional.linear(x, w)
     assert out.shape == ref.shape
     assert ((out - ref).abs().max() / ref.abs().max()) < 1e-5
+    assert bool(taken) == (2 <= rows <= 32)
 
 
-def test_ops_linear_keeps_autograd():
+def test_ops_linear_keeps_autograd(monkeypatch):
     """Training calls the same modules: with gradients wanted ops.linear is F.linear (the
     custom op has no backward)."""
     from specla import ops
 
+    monkeypatch.setattr(ops, "FP32_LINEAR", "rows")
     x = torch.randn(9, 32, requires_grad=True)
     w = torch.randn(8, 32, requires_grad=True)
     with ops.backend("triton"):
