@@ -192,7 +192,6 @@ class Decoder:
         if not self.sampling.greedy:
             gen = torch.Generator(device=dev)
             gen.manual_seed(self.sampling.seed if self.sampling.seed is not None else torch.seed())
-        capture = self.drafter.capture if self.drafter is not None else ()
         result = GenerationResult(tokens=[], route=self.route)
         target = self.start(B, T + max_new_tokens)
         cache = target.cache
@@ -210,7 +209,7 @@ class Decoder:
         emitted: list[list[int]] = [[] for _ in range(B)]
         pending = None  # a round sent but not yet read (running ahead)
         while True:
-            sent = reader.send(self._round(target, hist, capture, gen))
+            sent = reader.send(self._round(target, hist, gen))
             if ahead and pending is None:
                 pending = sent  # queue the next round before reading this one
                 continue
@@ -232,10 +231,9 @@ class Decoder:
         """Consume all but the last prompt token (the first round's root) into the target and
         the drafter."""
         B, T = prompts.shape
-        capture = self.drafter.capture if self.drafter is not None else ()
         for s in range(0, T - 1, self.prefill_chunk):
             chunk = prompts[:, s:min(s + self.prefill_chunk, T - 1)]
-            out = target.prefill(chunk, capture)
+            out = target.prefill(chunk, self.capture)
             if self.drafter is not None:
                 self.drafter.extend(chunk, out.hidden, torch.full((B,), chunk.shape[1], device=chunk.device))
 
@@ -246,14 +244,19 @@ class Decoder:
         return (self.pipeline and isinstance(target, GraphTarget) and self.sampling.greedy
                 and (self.drafter is None or self.drafter.device_root))
 
-    def _round(self, target, hist, capture, gen) -> torch.Tensor:
+    @property
+    def capture(self) -> tuple:
+        """Target layers whose hidden states the drafter reads."""
+        return self.drafter.capture if self.drafter is not None else ()
+
+    def _round(self, target, hist, gen) -> torch.Tensor:
         """Launch one round (an AR step without a drafter); its report [B, ...] on the device."""
         s = self.sampling
         if self.drafter is None:
             return target.ar_round(s.temperature, s.top_p, gen)
         draft = self.drafter.propose(DraftContext(hist, target.cache, s.temperature, gen, root=target.next_root))
         dev = self.model.device
-        r = target.round(draft.tokens.to(dev), draft.parents.to(dev), capture,
+        r = target.round(draft.tokens.to(dev), draft.parents.to(dev), self.capture,
                          None if draft.valid is None else draft.valid.to(dev), draft.probs, s.temperature, s.top_p,
                          gen, self.delayed, self.drafter.chain)
         self.drafter.extend(r.path_tokens, r.hidden, r.count)

@@ -209,10 +209,9 @@ def _make_factors(H, K, neg, sdt):
 
 def _linear(x, w, gemv: str):
     """`ops.linear` (F.linear, or fp32's few-row products by multiply-adds under
-    SPECLA_FP32_LINEAR=rows), or with gemv "triton"
-    specla's batch-1 matmul kernels for every dtype (`ops.skinny_linear`, a
-    custom op: one opaque call inside the compiled region): the GEMV for an AR step's single
-    row, the skinny GEMM for a verify's few. Inductor generating the GEMV itself, as a
+    SPECLA_FP32_LINEAR=rows), or with gemv "triton" specla's batch-1 matmul kernels for every
+    dtype (`ops.skinny_linear`, a custom op: one opaque call inside the compiled region): the
+    GEMV for an AR step's single row, the skinny GEMM for a verify's few. Inductor generating the GEMV itself, as a
     reduction with the norm fused into its loads, was measured slower than cuBLAS on the H200
     (AR step 2.08 against 1.64 ms; BENCHMARKS.md)."""
     return ops.skinny_linear(x, w) if gemv == "triton" else ops.linear(x, w)

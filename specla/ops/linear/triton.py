@@ -118,8 +118,9 @@ def _rows_kernel(x, weight, y, n_rows, n_out, n_in, BM: tl.constexpr, BN: tl.con
 def rows(x: torch.Tensor, weight: torch.Tensor, *, num_warps: int = 4) -> torch.Tensor:
     """`naive.skinny` for up to SKINNY_MAX_ROWS fp32 rows by multiply-adds, no `tl.dot`: each
     program keeps a [BM, BN, BK] accumulator (rows × outputs × a K tile, as the GEMV keeps
-    [BN, BK]) and reduces it over K once. IEEE `tl.dot` took ~16 µs for the demo target's 9- and 17-row products on the
-    H200 (`_skinny_kernel`, rounds_fp32_2bad5ed.json), cuBLAS 26-32 µs for some of them."""
+    [BN, BK]) and reduces it over K once. IEEE `tl.dot` took ~16 µs for the demo target's 9-
+    and 17-row products on the H200 (`_skinny_kernel`, rounds_fp32_2bad5ed.json), cuBLAS
+    26-32 µs for some of them."""
     N, K = weight.shape
     M = x.numel() // K if x.shape[-1] == K else -1
     if not 1 <= M <= SKINNY_MAX_ROWS:
