@@ -153,16 +153,7 @@ class EagleDrafterModel(nn.Module):
 
     def attend(self, q, keys, values, mask) -> torch.Tensor:
         """q [B, n, H, hd] against keys, values [B, H, L, hd] under mask [B, n, L] -> [B, n, H * hd]."""
-        q, keys, values = q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype)
-        if q.dtype == torch.float32:
-            # fp32 SDPA takes the memory-efficient kernel on CUDA, 26 µs a call on the H200 for
-            # a draft step's few queries (rounds_fp32_6a90719.json); as two matmuls and a
-            # softmax it is a few small kernels
-            s = (q @ keys.transpose(-1, -2)).mul(self.scale).masked_fill(~mask[:, None], float("-inf"))
-            o = torch.softmax(s, -1) @ values
-        else:
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], scale=self.scale)
-        return o.transpose(1, 2).flatten(2)
+        return ops.masked_attention(q, keys.to(q.dtype), values.to(q.dtype), mask, self.scale)
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor, gate_up: torch.Tensor | None = None) -> torch.Tensor:
         """The rest of the layer after attention: h [B, n, D] (the next step's feature).

@@ -33,6 +33,7 @@ import os
 
 import torch
 
+from specla.ops.attention import naive as attention_ref
 from specla.ops.beam import naive as beam_ref
 from specla.ops.conv import naive as conv_ref
 from specla.ops.gdn import naive as gdn_ref
@@ -316,6 +317,25 @@ def _fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if 2 <= x.numel() // max(x.shape[-1], 1) <= linear_triton.SKINNY_MAX_ROWS:
         return linear_triton.rows(x, weight)
     return torch.nn.functional.linear(x, weight)
+
+
+@torch.library.custom_op("specla::masked_attention", mutates_args=())
+def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """A draft step's attention (`ops.attention.naive.masked_attention`): one or two Triton
+    launches where Triton runs (cuDNN's SDPA took ~6-7 µs a call for these few queries, fp32's
+    memory-efficient kernel 26 µs), the reference elsewhere and for float64. A custom op, so
+    that inside the drafter's compiled rollout it stays one opaque call."""
+    if not use_triton(q) or q.dtype == torch.float64:
+        return attention_ref.masked_attention(q, keys, values, mask, scale)
+    from specla.ops.attention import triton as attention_triton
+
+    return attention_triton.masked_attention(q, keys, values, mask, scale)
+
+
+@masked_attention.register_fake
+def _masked_attention_shape(q, keys, values, mask, scale):
+    return q.new_empty(*q.shape[:2], q.shape[2] * q.shape[3])
 
 
 @torch.library.custom_op("specla::beam_expand", mutates_args=())

@@ -21,15 +21,16 @@ POINTERS = {
     "parents": "*i64", "chain_nodes": "*i32", "chain_len": "*i32", "light": "*i32", "n_chains": "*i32",
     "flags": "*i32", "cand_i": "*i32", "tok": "*i64", "beams": "*i64",
     "plen": "*i64", "valid": "*i64", "path": "*i64", "length": "*i64",
-    "x": "*bf16", "conv_state": "*bf16", "weight": "*bf16", "y": "*bf16", "a": "*bf16", "bb": "*bf16", "z": "*bf16",
+    "allowed": "*u8", "x": "*bf16", "conv_state": "*bf16", "weight": "*bf16", "y": "*bf16", "a": "*bf16", "bb": "*bf16", "z": "*bf16",
 }
 ALIGNED = ("n_in",)
 SCALARS = {"scale": "fp32", "n": "i32", "P": "i32", "C": "i32", "n_tiles": "i32", "n_out": "i32", "n_in": "i32",
-           "n_rows": "i32", "eps": "fp32", "V": "i32", "NC": "i32", "s_row": "i32", "nb": "i32", "W": "i32"}
+           "n_rows": "i32", "eps": "fp32", "V": "i32", "NC": "i32", "s_row": "i32", "nb": "i32", "W": "i32", "NS": "i32"}
 
 
 def variants(H=8, HV=8, K=256, V=256):
     """(name, kernel, constexprs, num_warps) for every variant the dispatch and benchmarks use."""
+    from specla.ops.attention import triton as attention
     from specla.ops.beam import triton as beam
     from specla.ops.conv import triton as conv
     from specla.ops.gdn import closure, commit, parallel, serial
@@ -68,6 +69,13 @@ def variants(H=8, HV=8, K=256, V=256):
     yield "ancestor closure", closure._closure_kernel, dict(NP=32, STEPS=4), 4
     yield "beam_expand chunk", beam._chunk_kernel, dict(K=4, BLOCK=beam.CHUNK), 4
     yield "beam_expand merge", beam._merge_kernel, dict(K=4, KP=4, NB=4, NCP=32, NCK=128), 4
+    # a draft step's attention at the demo drafter's heads (64 dims) and the 1.3B stand-in's (128)
+    for D in (64, 128):
+        BW = attention.block_slots(D)
+        for final in (True, False):
+            yield (f"masked_attention D={D}{'' if final else ' (split)'}", attention._partial_kernel,
+                   dict(H=16, D=D, BD=D, SPLIT=BW, BW=BW, FINAL=final), attention.block_warps(BW))
+    yield "masked_attention combine", attention._combine_kernel, dict(H=16, D=128, BD=128, NSP=16), 4
     for BN, BK, warps in linear.TILINGS:
         yield f"gemv BN={BN} BK={BK} w={warps}", linear._gemv_kernel, dict(BN=BN, BK=BK), warps
     for BM, BN, BK, warps in linear.SKINNY_TILINGS:
