@@ -230,6 +230,7 @@ def bench_controlled(
     lengths: str = typer.Option("5,6,7,8,9,10,11,12", help="Comma-separated chain lengths L."),
     ps: str = typer.Option("0.5,0.6,0.7,0.8,0.9,1.0", "--ps", help="Comma-separated acceptance probabilities p."),
     quick: bool = typer.Option(False, help="Few rounds, short prompt (smoke test; on CPU use --shape tiny)."),
+    name: str = typer.Option("controlled", help="Result file stem."),
     out: Path = typer.Option(Path("benchmarks/results")),
 ):
     """Speedup over AR for acceptance probability p and chain length L, measured costs (SpecLA Fig 12)."""
@@ -243,7 +244,7 @@ def bench_controlled(
     if not Ls or not Ps or min(Ls) < 1 or not all(0 <= p <= 1 for p in Ps):
         raise InputError(f"--lengths must be positive and --ps within [0, 1], got {lengths!r} / {ps!r}")
     run(shape=shape, device=device, rounds=rounds, prompt_len=prompt_len, quick=quick, compile=compile, gemv=gemv,
-        lengths=Ls, ps=Ps, out_dir=out)
+        lengths=Ls, ps=Ps, out_dir=out, name=name)
 
 
 @bench_app.command("agreement")

@@ -43,8 +43,8 @@ def test_controlled_keeps_finished_lengths_when_cut_short(tmp_path, monkeypatch)
 
     monkeypatch.setattr(controlled.ChainRuntime, "timed", stop_at_second_length)
     with pytest.raises(KeyboardInterrupt):
-        controlled.run(shape="tiny", device="cpu", quick=True, lengths=(5, 6), out_dir=tmp_path)
-    data = json.loads((tmp_path / "controlled.json").read_text())
+        controlled.run(shape="tiny", device="cpu", quick=True, lengths=(5, 6), out_dir=tmp_path, name="cut")
+    data = json.loads((tmp_path / "cut.json").read_text())
     assert data["complete"] is False and data["lengths"] == [5, 6]
     assert {(c["p"], c["L"]) for c in data["grid"]} == {(p, 5) for p in controlled.PS}
     assert [r["L"] for r in data["per_length"]] == [5]

@@ -22,10 +22,10 @@ ms/token ÷ (total round time ÷ tokens emitted); `speedup_expected` uses the ex
 instead of the sampled one (the same measured times, no sampling noise). Because tokens are forced,
 only latency ratios mean anything here (no output is checked). `round16_ms` is one
 16-draft-node beam-tree round (`bench.decode.time_rounds`, as `specla bench decode` times it),
-the figure whose goal is ≤ 1.2× an AR step. Writes `controlled.json` and the Fig 12 heatmap `controlled.png`;
-`controlled.json` is rewritten after every chain length (`complete` false until the last), so a run
-cut short keeps what it measured (two cold H200 runs were cut at their time bound with nothing
-written).
+the figure whose goal is ≤ 1.2× an AR step. Writes `controlled.json` and the Fig 12 heatmap
+`controlled.png` (`--name` changes the stem); the JSON is rewritten after every chain length
+(`complete` false until the last), so a run cut short keeps what it measured (two cold H200
+runs were cut at their time bound with nothing written).
 
 On CPU (`device="cpu"`, `quick=True`) everything runs eagerly at tiny shapes: a smoke test;
 the timings mean nothing.
@@ -199,7 +199,7 @@ class ChainRuntime:
 def run(shape: str = "gdn-1.3b-paper", device: str = "cuda", dtype: torch.dtype | None = None,
         ps=PS, lengths=LENGTHS, rounds: int = 90, prompt_len: int = 256, quick: bool = False,
         compile: str | None = None, dynamic_tokens: bool = True, gemv: str = "cublas", seed: int = 0,
-        out_dir=RESULTS) -> dict:
+        out_dir=RESULTS, name: str = "controlled") -> dict:
     """The controlled study; `compile` ('default' / 'max-autotune') fuses the target
     (`Model.fuse`, its matmuls run the `gemv` way), as does SPECLA_COMPILE. Fused, `dynamic_tokens` compiles one verify graph
     per region for all chain lengths (else one per length: 8 times the compile time)."""
@@ -279,11 +279,11 @@ def run(shape: str = "gdn-1.3b-paper", device: str = "cuda", dtype: torch.dtype 
         gc.collect()
         if graphs:
             torch.cuda.empty_cache()
-        write_results("controlled", result(complete=False), out_dir)
+        write_results(name, result(complete=False), out_dir)
     final = result(complete=True)
     _print(final)
-    write_results("controlled", final, out_dir)
-    plot(final, Path(out_dir) / "controlled.png")
+    write_results(name, final, out_dir)
+    plot(final, Path(out_dir) / f"{name}.png")
     return final
 
 
