@@ -34,8 +34,6 @@ import triton.language as tl
 
 from specla.ops.gdn.commit import advance_tile
 
-TABLE_COLUMNS = 6  # state, pending k, g, u, length, pending width
-
 
 @triton.jit(do_not_specialize=["NQ", "B"])
 def _state_read_kernel(table, base, q, vmap, reads, sqn, NQ, B, s_qb, s_qp, s_ql,
