@@ -348,17 +348,12 @@ class _Layer:
         I = blk.mlp.gate_proj.weight.shape[0]
         self.post = compile_fn("post", (mn.eps, mn.zero_centered, I, gemv), mode)
         self.concat_mlp = concat_mlp
-        self._gu, self._gu_key = None, None
 
     def mlp_weights(self):
         mlp = self.blk.mlp
         if not self.concat_mlp:
             return mlp.gate_proj.weight, mlp.up_proj.weight
-        g, u = mlp.gate_proj.weight, mlp.up_proj.weight
-        key = (g.data_ptr(), g._version, u.data_ptr(), u._version, g.dtype)
-        if key != self._gu_key:  # first use, or the weights changed (moved, cast, edited in place)
-            self._gu, self._gu_key = torch.cat([g.detach(), u.detach()], 0), key
-        return self._gu, None
+        return mlp.gate_up_weight(), None
 
     def conv_args(self):
         mix = self.mix

@@ -43,8 +43,24 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x):
-        return ops.linear(F.silu(ops.linear(x, self.gate_proj.weight)) * ops.linear(x, self.up_proj.weight), self.down_proj.weight)
+        self._gu, self._gu_key = None, None
+
+    def forward(self, x, gate_up: torch.Tensor | None = None):
+        """gate_up: `gate_up_weight()`, gate and up as one matmul instead of two."""
+        if gate_up is None:
+            g, u = ops.linear(x, self.gate_proj.weight), ops.linear(x, self.up_proj.weight)
+        else:
+            g, u = ops.linear(x, gate_up).chunk(2, -1)
+        return ops.linear(F.silu(g) * u, self.down_proj.weight)
+
+    def gate_up_weight(self) -> torch.Tensor:
+        """A detached copy of [gate_proj; up_proj] for decoding (training keeps the two), rebuilt
+        when the weights change (moved, cast, edited in place); it costs their memory once more."""
+        g, u = self.gate_proj.weight, self.up_proj.weight
+        key = (g.data_ptr(), g._version, u.data_ptr(), u._version, g.dtype)
+        if key != self._gu_key:
+            self._gu, self._gu_key = torch.cat([g.detach(), u.detach()], 0), key
+        return self._gu
 
 
 class GatedDeltaNet(nn.Module):

@@ -1,4 +1,4 @@
-"""A draft step's attention: PyTorch's SDPA (what the EAGLE drafter calls; cuDNN in bf16) against
+"""A draft step's attention: PyTorch's SDPA (what the EAGLE drafter called before; cuDNN in bf16) against
 `ops.attention.triton.masked_attention` at several tilings, on the demo drafter's heads (4 x 64)
 and the 1.3B stand-in's (16 x 128), 1 query (chain) or 4 (beam tree), windows of 128-1024
 slots. 20 calls replayed from one CUDA graph, divided by 20; every tiling is checked against the
@@ -34,9 +34,8 @@ def main() -> None:
     torch.set_grad_enabled(False)
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
-    global CALLS
     shapes = SHAPES if cuda else SHAPES[:1]  # on CPU (interpreter): a smoke test of the script
-    CALLS = CALLS if cuda else 1
+    calls = CALLS if cuda else 1
     rows = []
     for dtype in (torch.bfloat16, torch.float32):
         for H, D, n, W in shapes if dtype == torch.bfloat16 else [(4, 64, 1, 256), (4, 64, 4, 256)][:len(shapes)]:
@@ -57,7 +56,7 @@ def main() -> None:
                 return o.transpose(1, 2).flatten(2)
 
             row = {"dtype": str(dtype).split(".")[-1], "heads": H, "head_dim": D, "queries": n, "window": W,
-                   "sdpa_us": graph_time_ms(lambda: [sdpa() for _ in range(CALLS)], cuda) * 1e3 / CALLS,
+                   "sdpa_us": graph_time_ms(lambda: [sdpa() for _ in range(calls)], cuda) * 1e3 / calls,
                    "sdpa_err": float((sdpa().float() - ref).abs().max()), "triton": []}
             for split, block, warps in TILINGS:
                 if block > split or block * D > 16384:
@@ -65,8 +64,8 @@ def main() -> None:
                 out = attn.masked_attention(q, k, v, mask, scale, split=split, block=block, num_warps=warps)
                 err = float((out.float() - ref).abs().max())
                 us = graph_time_ms(lambda: [attn.masked_attention(q, k, v, mask, scale, split=split, block=block,
-                                                                  num_warps=warps) for _ in range(CALLS)], cuda)
-                row["triton"].append({"split": split, "block": block, "warps": warps, "us": us * 1e3 / CALLS,
+                                                                  num_warps=warps) for _ in range(calls)], cuda)
+                row["triton"].append({"split": split, "block": block, "warps": warps, "us": us * 1e3 / calls,
                                       "err": err})
             best = min(row["triton"], key=lambda t: t["us"])
             print(f"{row['dtype']:8s} H={H:2d} D={D:3d} n={n} W={W:4d}  sdpa {row['sdpa_us']:6.2f} us  "
@@ -76,7 +75,7 @@ def main() -> None:
             rows.append(row)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({**environment(), "calls_per_graph": CALLS, "rows": rows}, f, indent=1)
+            json.dump({**environment(), "calls_per_graph": calls, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -157,16 +157,9 @@ class EagleDrafterModel(nn.Module):
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor, gate_up: torch.Tensor | None = None) -> torch.Tensor:
         """The rest of the layer after attention: h [B, n, D] (the next step's feature).
-        gate_up: [gate; up] concatenated (`gate_up_weight`), one matmul instead of two."""
+        gate_up: the MLP's `gate_up_weight()`, one matmul instead of two."""
         x = x + ops.linear(attn, self.o_proj.weight)
-        if gate_up is None:
-            return x + self.mlp(self.mlp_norm(x))
-        g, u = ops.linear(self.mlp_norm(x), gate_up).chunk(2, -1)
-        return x + ops.linear(F.silu(g) * u, self.mlp.down_proj.weight)
-
-    def gate_up_weight(self) -> torch.Tensor:
-        """A detached copy of [gate_proj; up_proj] for drafting (training keeps the two)."""
-        return torch.cat([self.mlp.gate_proj.weight.detach(), self.mlp.up_proj.weight.detach()], 0)
+        return x + self.mlp(self.mlp_norm(x), gate_up)
 
     def logits(self, h: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         return ops.linear(self.norm(h), lm_head_weight)
@@ -286,8 +279,8 @@ class EagleDrafter(Drafter):
         self._compiled: dict = {}
         model.inv_freq(target.device, target.dtype)  # made here: a compiled rollout only reads it
         # the MLP's gate and up as one matmul a draft step (a launch fewer: ~2.7 µs of a demo
-        # draft step on the H200); a copy, taken once: the weights do not change while drafting
-        self._gate_up = model.gate_up_weight()
+        # draft step on the H200), taken here: the compiled rollout reads it as a constant
+        self._gate_up = model.mlp.gate_up_weight()
         self.reset(1)
 
     @classmethod
