@@ -70,7 +70,7 @@ from specla.state import GDNRecord
 
 ENV = "SPECLA_COMPILE"
 MODES = ("default", "max-autotune")
-GEMVS = ("cublas", "triton")  # how a batch-1 step's matmuls run (`_linear`)
+GEMVS = ("cublas", "triton", "invariant")  # how a batch-1 step's matmuls run (`_linear`)
 MAX_TOKENS = 256  # verify topologies larger than this stay on the plain path
 MAX_PREFILL = 4096  # longer prefill calls stay on the plain path
 
@@ -213,7 +213,10 @@ def _linear(x, w, gemv: str):
     dtype (`ops.skinny_linear`, a custom op: one opaque call inside the compiled region): the
     GEMV for an AR step's single row, the skinny GEMM for a verify's few. Inductor generating the GEMV itself, as a
     reduction with the norm fused into its loads, was measured slower than cuBLAS on the H200
-    (AR step 2.08 against 1.64 ms; BENCHMARKS.md)."""
+    (AR step 2.08 against 1.64 ms; BENCHMARKS.md). With gemv "invariant", `ops.invariant_linear`:
+    a row's result does not depend on how many rows the call has (exact mode, docs/exact.md)."""
+    if gemv == "invariant":
+        return ops.invariant_linear(x, w)
     return ops.skinny_linear(x, w) if gemv == "triton" else ops.linear(x, w)
 
 

@@ -288,6 +288,29 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, weight)
 
 
+@torch.library.custom_op("specla::invariant_linear", mutates_args=())
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x times weightᵀ with every row's result independent of how many rows come with it, for
+    up to SKINNY_MAX_ROWS rows: where Triton runs, the skinny GEMM with 32-row blocks at one
+    tiling per weight shape whatever the row count, so each row is the same chain of `tl.dot`s
+    over the same K tiles (cuBLAS picks another kernel for 1, 9 or 17 rows, and those round
+    differently); elsewhere the reference row by row. More rows (a prefill, which every route
+    shares) go to F.linear. Exact mode at each route's own verify width rests on it
+    (docs/exact.md). A custom op, so that a compiled region keeps it one opaque call."""
+    K = x.shape[-1]
+    rows = x.numel() // max(K, 1)
+    if rows > linear_ref.INVARIANT_MAX_ROWS:
+        return torch.nn.functional.linear(x, weight)
+    if not use_triton(x) or x.dtype == torch.float64 or K < 16:
+        return linear_ref.rowwise(x, weight)
+    from specla.ops.linear import triton as linear_triton
+
+    _, tiling = LINEAR_TILINGS.get(("skinny", *weight.shape), SKINNY_TILING)
+    if tiling is None:  # cuBLAS measured fastest for this shape: the default tiling then
+        tiling = SKINNY_TILING[1]
+    return linear_triton.skinny(x, weight, block_m=linear_ref.INVARIANT_MAX_ROWS, **tiling)
+
+
 # `SPECLA_FP32_LINEAR=rows`: fp32 products of 2-32 rows by specla's multiply-add kernel
 # (`_fp32_linear`) instead of cuBLAS. On the H200 it cut the demo's fp32 chain round from 2.0 to
 # 1.28 ms (rounds_fp32_rows_accacad.json); opt-in until the fp32 exact-match run is repeated with
@@ -361,6 +384,7 @@ def _beam_expand_shape(logits, beam_scores, topk):
 
 
 @skinny_linear.register_fake
+@invariant_linear.register_fake
 @_fp32_linear.register_fake
 def _skinny_linear_shape(x, weight):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
