@@ -91,11 +91,13 @@ def maybe_fuse(model) -> None:
     """Fuse `model` when `SPECLA_COMPILE` asks for it (called when a target is built);
     `SPECLA_COMPILE_DYNAMIC=0` compiles one static graph per verify size instead of one
     graph with a symbolic node count; `SPECLA_COMPILE_GEMV=triton` runs the steps' and
-    verifies' matmuls through specla's batch-1 kernels (`_linear`)."""
+    verifies' matmuls through specla's batch-1 kernels (`_linear`); `SPECLA_COMPILE_ROWS=1`
+    runs AR steps through the verifies' graphs (`invariant_rows`)."""
     mode = env_mode()
     if mode is not None and getattr(model, "_fused", None) is None:
-        dyn = os.environ.get(ENV + "_DYNAMIC", "1").strip().lower() not in ("0", "false", "no", "off")
-        model.fuse(mode=mode, dynamic_tokens=dyn, gemv=os.environ.get(ENV + "_GEMV", "cublas").strip().lower())
+        on = lambda name, default: os.environ.get(ENV + name, default).strip().lower() not in ("0", "false", "no", "off")  # noqa: E731
+        model.fuse(mode=mode, dynamic_tokens=on("_DYNAMIC", "1"),
+                   gemv=os.environ.get(ENV + "_GEMV", "cublas").strip().lower(), invariant_rows=on("_ROWS", "0"))
 
 
 def _options(mode: str) -> dict:
@@ -333,6 +335,17 @@ def mark_dynamic(dim: int, *ts) -> None:
             torch._dynamo.maybe_mark_dynamic(t, dim)
 
 
+def mark_unbacked(dim: int, *ts) -> None:
+    """Mark dimension `dim` unbacked (None skipped): unlike a dynamic size, 1 is not
+    specialised, so an AR step's single token runs the very graph — kernels and the configs
+    Inductor tuned for them — that a verify's nodes run."""
+    from torch._dynamo.decorators import mark_unbacked as _mark
+
+    for t in ts:
+        if t is not None:
+            _mark(t, dim)
+
+
 
 class _Layer:
     """One fusable block (GDN mixer + SwiGLU MLP): its compiled regions and weight handles."""
@@ -376,7 +389,8 @@ class FusedModel:
     """
 
     def __init__(self, model, mode: str = "default", concat_mlp: bool = True, max_shapes: int = 16,
-                 compile: bool = True, dynamic_tokens: bool = True, gemv: str = "cublas"):
+                 compile: bool = True, dynamic_tokens: bool = True, gemv: str = "cublas",
+                 invariant_rows: bool = False):
         from specla.model import GatedDeltaNet, GatedMLP
         from specla.precision import accumulation_dtype
 
@@ -386,6 +400,9 @@ class FusedModel:
             raise ValueError(f"unknown gemv {gemv!r}; choose one of {', '.join(GEMVS)}")
         self.model, self.mode, self.max_shapes, self.gemv = model, mode, max_shapes, gemv
         self.dynamic_tokens = dynamic_tokens
+        # one graph per region for every token count, AR steps included (`mark_unbacked`): a
+        # position's row is then computed by the same kernels at every verify width
+        self.invariant_rows = invariant_rows and dynamic_tokens
         _raise_recompile_limit()
         if compile:
             compile_fn = lambda kind, consts, mode: compiled(kind, consts, mode, dynamic_tokens)  # noqa: E731
@@ -428,7 +445,9 @@ class FusedModel:
 
         m = self.model
         x, r = m.embeddings(tokens), None  # r: the last MLP output, not yet added to x
-        if self.dynamic_tokens and tokens.shape[1] > 1:
+        if self.invariant_rows and self.compile:
+            mark = functools.partial(mark_unbacked, 1)  # one graph for every size, 1 included
+        elif self.dynamic_tokens and tokens.shape[1] > 1:
             mark = functools.partial(mark_dynamic, 1)  # one graph for every verify or prefill size
         else:
             mark = lambda *ts: None  # noqa: E731
@@ -463,6 +482,7 @@ class FusedModel:
             cw, cb = lay.conv_args()
             if parents is None and st.conv is not None and tokens.shape[1] == 1:
                 # an AR step: the conv and the factors are one kernel (Inductor made seven of them)
+                mark(x, r)
                 x, xp, z, a, b = lay.tree_in(x, r, blk.attn_norm.weight, mix.in_proj.weight)
                 q, k, v, g, beta = ops.step_prelude(xp, st.conv, cw, cb, a, b, mix.A_log, mix.dt_bias, mix.H,
                                                     mix.K, bool(mix.cfg.allow_neg_eigval), st.S.dtype)

@@ -76,6 +76,10 @@ VARIANTS = {
         (_K_LOAD, "        kr = (o_k + p).to(tl.float32) * 1e-3\n"),
         (_U_LOAD, "        ur = (o_v - p).to(tl.float32) * 1e-3\n"),
     ], []),
+    # every row's loads still issued up front (masked by liveness, as mask_live), the update
+    # applied only to live rows: a uniform branch per row, no FMA pass for dead ones; exact
+    "skip_dead": (True, [("mask=mk & (p < P)", "mask=mk & livep"), ("mask=mv & (p < P)", "mask=mv & livep"),
+                         (_UPDATE, "        if livep:\n            S = decay_update(S, tl.exp(gp), kr, ur)\n")], []),
     # only the accepted rows are visited; the skipped rows were identities, so exact
     "live_loop": (True, [("    for p in tl.static_range(PP):\n", "    for p in range(n_live):\n")], []),
 }

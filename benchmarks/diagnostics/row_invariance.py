@@ -126,7 +126,7 @@ def whole_model(model, prompt: torch.Tensor, tree_parents: torch.Tensor) -> dict
 
     ar_cache = cache.clone()
     ar = model.forward(root, ar_cache, cap)
-    res = {}
+    res, outs = {}, {}
     cases = [("verify1", 1, None), ("chain9", 9, None), ("chain17", 17, None), ("tree17", 17, tree_parents)]
     for name, n, parents in cases:
         c = cache.clone()
@@ -138,6 +138,7 @@ def whole_model(model, prompt: torch.Tensor, tree_parents: torch.Tensor) -> dict
         c.commit(out.records, torch.zeros(1, n, dtype=torch.long, device=model.device),
                  torch.ones(1, dtype=torch.long, device=model.device))
         c.flush()
+        outs[name] = out
         first = next((i for i in range(L) if not torch.equal(out.hidden[i][:, :1], ar.hidden[i])), None)
         states = [s for s in range(L) if hasattr(c.layers[s], "S")]
         res[name] = {"logits": same(out.logits[:, :1], ar.logits), "first_layer_differing": first,
@@ -145,6 +146,13 @@ def whole_model(model, prompt: torch.Tensor, tree_parents: torch.Tensor) -> dict
                      "conv_equal": all(c.layers[s].conv is None or torch.equal(c.layers[s].conv, ar_cache.layers[s].conv)
                                        for s in states),
                      "argmax_equal": bool(out.logits[0, 0].argmax() == ar.logits[0, 0].argmax())}
+    # widths against each other: the first m rows of a wider chain verify against a narrower one
+    for wide, narrow, m in (("chain9", "verify1", 1), ("chain17", "chain9", 9)):
+        w, nw = outs[wide], outs[narrow]
+        res[f"{wide}_vs_{narrow}"] = {
+            "logits": same(w.logits[:, :m], nw.logits[:, :m]),
+            "first_layer_differing": next((i for i in range(L) if not torch.equal(w.hidden[i][:, :m], nw.hidden[i][:, :m])),
+                                          None)}
     return res
 
 
@@ -166,13 +174,15 @@ def main(argv=None) -> int:
     prompt = torch.randint(0, model.cfg.vocab_size, (1, 40), generator=g).to(dev)
     tree = torch.tensor([[-1, 0, 0, 0, 0, 1, 1, 2, 2, 5, 5, 7, 9, 9, 11, 12, 14]], device=dev)
     result["model_runs"] = {}
-    options = [("plain", None)] + ([(f"fused_{g}", g) for g in ("cublas", "triton", "invariant")] if cuda else
-                                   [("fused_invariant_eager", "invariant")])
-    for name, gemv in options:
+    # (name, gemv, invariant_rows): rows=True runs AR steps through the verifies' graphs
+    options = [("plain", None, False)] + ([("fused_cublas", "cublas", False), ("fused_cublas_rows", "cublas", True),
+                                           ("fused_invariant_rows", "invariant", True)] if cuda else
+                                          [("fused_invariant_eager", "invariant", False)])
+    for name, gemv, rows in options:
         if gemv is None:
             model.fuse(False)
         else:
-            model.fuse(mode="default", gemv=gemv, compile=cuda)
+            model.fuse(mode="default", gemv=gemv, compile=cuda, invariant_rows=rows)
         result["model_runs"][name] = whole_model(model, prompt, tree)
         print(name, json.dumps(result["model_runs"][name]), flush=True)
     model.fuse(False)

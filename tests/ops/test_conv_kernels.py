@@ -132,6 +132,40 @@ def test_tree_prelude_matches_reference(B, n, kinds, H, gva, K, V, W, bias, neg,
         close(o, r, name)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_step_prelude_is_row_zero_of_every_chain_verify(dtype, bias):
+    """An AR step's factors are bit for bit row 0 of a chain verify's, and a chain's rows do not
+    depend on how many nodes it has (1 to 17 here; 17 takes another tile and warp count than 9):
+    the conv, its rounding and the l2 norm are one code path in a fixed order, so the default
+    routes compute each position as AR does. The conv state a step leaves is the one a commit
+    of that node leaves."""
+    g = torch.Generator().manual_seed(7)
+    B, H, K, HV, V, W, n = 2, 2, 12, 4, 6, 4, 17
+    C = 2 * H * K + HV * V
+    proj = (torch.randn(B, n, C + 2 * HV, generator=g) * 2).to(dtype)
+    x, a, b = proj[..., :C], proj[..., C:C + HV], proj[..., C + HV:]
+    conv_state = torch.randn(B, C, W - 1, generator=g).to(dtype)
+    weight = torch.randn(C, W, generator=g).to(dtype)
+    bias_ = torch.randn(C, generator=g).to(dtype) if bias else None
+    A_log, dt_bias = torch.randn(HV, generator=g), torch.randn(HV, generator=g) * 8
+    consts = (A_log, dt_bias, H, K, False)
+    chain = torch.arange(-1, n - 1).expand(B, -1).contiguous()
+    full = conv_triton.tree_prelude(x, conv_state, weight, bias_, chain, a, b, *consts)
+    for m in (1, 2, 9):
+        part = conv_triton.tree_prelude(x[:, :m], conv_state, weight, bias_, chain[:, :m].contiguous(), a[:, :m],
+                                        b[:, :m], *consts)
+        for name, p_, f in zip("qkvgb", part, full):
+            assert torch.equal(p_, f[:, :m]), (m, name)
+    stepped = conv_state.clone()
+    step = conv_triton.step_prelude(x[:, :1], stepped, weight, bias_, a[:, :1], b[:, :1], *consts)
+    for name, s_, f in zip("qkvgb", step, full):
+        assert torch.equal(s_, f[:, :1]), name
+    committed = conv_state.clone()
+    conv_triton.conv_commit(committed, x, torch.zeros(B, 1, dtype=torch.long), torch.ones(B, dtype=torch.long))
+    assert torch.equal(stepped, committed)
+
+
 def test_tree_prelude_rejects_more_nodes_than_its_tile():
     n = conv_triton.TREE_PRELUDE_MAX_NODES + 1
     with pytest.raises(ValueError, match="nodes"):

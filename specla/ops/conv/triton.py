@@ -15,8 +15,12 @@ import triton.language as tl
 
 @triton.jit
 def _tree_conv_tile(x, conv_state, weight, bias, parents, b, ch, mc, n, C, s_xb, s_xn,
-                    W: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """silu(conv over each node's ancestors) of channels ch, [NP, BC] fp32 (rows past n are 0)."""
+                    W: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    CHAIN: tl.constexpr = False):
+    """silu(conv over each node's ancestors) of channels ch, [NP, BC] fp32 (rows past n are 0).
+    CHAIN: node j's parent is j - 1 (parents is not read); a chain's nodes get the same bits
+    either way, and an AR step is the one-node chain. Every element is its own sequence of
+    operations (taps newest first), so a node's values do not depend on NP or the layout."""
     j = tl.arange(0, NP)
     mj = j < n
     acc = tl.zeros([NP, BC], dtype=tl.float32)
@@ -31,8 +35,11 @@ def _tree_conv_tile(x, conv_state, weight, bias, parents, b, ch, mc, n, C, s_xb,
                      mask=in_s[:, None] & mc[None, :], other=0.0).to(tl.float32)
         acc += (xv + sv) * w_t[None, :]
         if t + 1 < W:
-            up = tl.load(parents + b * n + a, mask=in_x, other=0).to(tl.int32)
-            a = tl.where(a >= 0, up, a - 1)
+            if CHAIN:
+                a = a - 1
+            else:
+                up = tl.load(parents + b * n + a, mask=in_x, other=0).to(tl.int32)
+                a = tl.where(a >= 0, up, a - 1)
     if HAS_BIAS:
         acc += tl.load(bias + ch, mask=mc, other=0.0).to(tl.float32)[None, :]
     return acc * tl.sigmoid(acc)
@@ -106,27 +113,34 @@ def conv_commit(conv_state, x, path, length, *, block_c: int = 128):
 
 
 @triton.jit
-def _conv_step(x, conv_state, weight, bias, b, ch, mc, C, s_xb,
-               W: tl.constexpr, WP: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """silu(conv) of one token's channels ch, rounded through x's dtype as the fused path does;
-    the conv state of those channels shifted by the token."""
+def _shift_conv_state(x, conv_state, b, ch, mc, C, s_xb, W: tl.constexpr, WP: tl.constexpr):
+    """The conv state of channels ch moved on by one token (x), in place; the caller has read
+    the window it convolves before."""
     m = tl.arange(0, WP)
     p_s = conv_state + (b * C + ch[:, None]).to(tl.int64) * (W - 1) + m[None, :]
     xv = tl.load(x + b.to(tl.int64) * s_xb + ch, mask=mc, other=0.0)
-    ins = mc[:, None] & (m < W - 1)[None, :]
-    win = tl.load(p_s, mask=ins, other=0.0)
-    win = tl.where((m == W - 1)[None, :], xv[:, None].to(win.dtype), win)  # [BC, WP]: oldest first, x last
     nxt = tl.load(p_s + 1, mask=mc[:, None] & (m + 1 < W - 1)[None, :], other=0.0)
-    nxt = tl.where((m + 1 == W - 1)[None, :], xv[:, None].to(nxt.dtype), nxt)  # the window one token on
-    w = tl.load(weight + ch[:, None] * W + m[None, :], mask=mc[:, None] & (m < W)[None, :], other=0.0)
-    y = tl.sum(win.to(tl.float32) * w.to(tl.float32), 1)
-    if HAS_BIAS:
-        y += tl.load(bias + ch, mask=mc, other=0.0).to(tl.float32)
-    y = y.to(xv.dtype).to(tl.float32)
-    s = (y / (1.0 + tl.exp(-y))).to(xv.dtype).to(tl.float32)
-    tl.debug_barrier()  # in place: every thread has read the window before any entry is overwritten
-    tl.store(p_s, nxt, mask=ins)
-    return s
+    nxt = tl.where((m + 1 == W - 1)[None, :], xv[:, None].to(nxt.dtype), nxt)
+    tl.debug_barrier()  # every thread has read the window before any entry is overwritten
+    tl.store(p_s, nxt, mask=mc[:, None] & (m < W - 1)[None, :])
+
+
+@triton.jit
+def _row_sum(x, R: tl.constexpr, N: tl.constexpr):
+    """Σ over the last axis of x [R, N] (N a power of two) in one fixed order — adjacent pairs,
+    then pairs of those — so that a row's sum has the same bits whatever the tile's row count,
+    warps and layout (tl.sum adds in an order that follows the layout: the l2 norms of an AR
+    step and of a 9- or 17-node verify then differed in the last bit)."""
+    for i in tl.static_range(1, 16):
+        if (N >> i) >= 1:
+            lo, hi = tl.split(tl.reshape(x, [R, N >> i, 2]))
+            x = lo + hi
+    return tl.reshape(x, [R])
+
+
+@triton.jit
+def _l2norm_rows(s, R: tl.constexpr, N: tl.constexpr):
+    return s / tl.sqrt(_row_sum(s * s, R, N) + 1e-6)[:, None]
 
 
 @triton.jit
@@ -150,22 +164,33 @@ def _step_prelude_kernel(x, conv_state, weight, bias, a, bb, A_log, dt_bias, q, 
                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
                          WP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_BIAS: tl.constexpr,
                          NEG: tl.constexpr):
+    # The token is node 0 of a one-node chain through the verify's own conv and norm code
+    # (`_tree_prelude_kernel`), in a two-row tile whose second row is empty: an AR step's
+    # factors are then the bits a verify computes for that token in any row of any width.
     head, b = tl.program_id(0), tl.program_id(1)
+    j = tl.arange(0, 2)
+    first = (j == 0)[:, None]
     if head < 2 * H:  # a q or k head: conv, then l2-normalised over its K channels
         o = tl.arange(0, BK)
         mo = o < K
-        s = _conv_step(x, conv_state, weight, bias, b, head * K + o, mo, C, s_xb, W, WP, HAS_BIAS)
-        s = s / tl.sqrt(tl.sum(s * s) + 1e-6)
+        ch = head * K + o
+        s = _tree_conv_tile(x, conv_state, weight, bias, x, b, ch, mo, 1, C, s_xb, 0, W, 2, BK, HAS_BIAS, True)
+        _shift_conv_state(x, conv_state, b, ch, mo, C, s_xb, W, WP)
+        s = _l2norm_rows(s.to(x.dtype.element_ty).to(tl.float32), 2, BK)
+        m = first & mo[None, :]
         if head < H:
-            tl.store(q + (b * H + head) * K + o, s, mask=mo)
+            tl.store(q + (b * H + head) * K + j[:, None] * 0 + o[None, :], s, mask=m)
         else:
-            tl.store(k + (b * H + head - H) * K + o, s, mask=mo)
+            tl.store(k + (b * H + head - H) * K + j[:, None] * 0 + o[None, :], s, mask=m)
     else:  # a v head, and its decay and write strength
         hv = head - 2 * H
         o = tl.arange(0, BV)
         mo = o < V
-        s = _conv_step(x, conv_state, weight, bias, b, 2 * H * K + hv * V + o, mo, C, s_xb, W, WP, HAS_BIAS)
-        tl.store(v + (b * HV + hv) * V + o, s, mask=mo)
+        ch = 2 * H * K + hv * V + o
+        s = _tree_conv_tile(x, conv_state, weight, bias, x, b, ch, mo, 1, C, s_xb, 0, W, 2, BV, HAS_BIAS, True)
+        _shift_conv_state(x, conv_state, b, ch, mo, C, s_xb, W, WP)
+        s = s.to(x.dtype.element_ty).to(tl.float32)
+        tl.store(v + (b * HV + hv) * V + j[:, None] * 0 + o[None, :], s, mask=first & mo[None, :])
         gv, bt = _gates(tl.load(a + b * s_ab + hv), tl.load(bb + b * s_bb + hv), A_log, dt_bias, hv, NEG)
         tl.store(g + b * HV + hv, gv)
         tl.store(beta + b * HV + hv, bt)
@@ -215,8 +240,7 @@ def _tree_prelude_kernel(x, conv_state, weight, bias, parents, a, bb, A_log, dt_
         mo = o < K
         s = _tree_conv_tile(x, conv_state, weight, bias, parents, b, head * K + o, mo, n, C, s_xb, s_xn,
                             W, NP, BK, HAS_BIAS)
-        s = s.to(x.dtype.element_ty).to(tl.float32)
-        s = s / tl.sqrt(tl.sum(s * s, 1) + 1e-6)[:, None]
+        s = _l2norm_rows(s.to(x.dtype.element_ty).to(tl.float32), NP, BK)
         m = mj[:, None] & mo[None, :]
         if head < H:
             tl.store(q + ((b * n + j[:, None]) * H + head).to(tl.int64) * K + o[None, :], s, mask=m)
