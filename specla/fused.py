@@ -91,13 +91,12 @@ def maybe_fuse(model) -> None:
     """Fuse `model` when `SPECLA_COMPILE` asks for it (called when a target is built);
     `SPECLA_COMPILE_DYNAMIC=0` compiles one static graph per verify size instead of one
     graph with a symbolic node count; `SPECLA_COMPILE_GEMV=triton` runs the steps' and
-    verifies' matmuls through specla's batch-1 kernels (`_linear`); `SPECLA_COMPILE_ROWS=1`
-    runs AR steps through the verifies' graphs (`invariant_rows`)."""
+    verifies' matmuls through specla's batch-1 kernels (`_linear`; `invariant`: kernels whose
+    rows do not depend on the row count)."""
     mode = env_mode()
     if mode is not None and getattr(model, "_fused", None) is None:
-        on = lambda name, default: os.environ.get(ENV + name, default).strip().lower() not in ("0", "false", "no", "off")  # noqa: E731
-        model.fuse(mode=mode, dynamic_tokens=on("_DYNAMIC", "1"),
-                   gemv=os.environ.get(ENV + "_GEMV", "cublas").strip().lower(), invariant_rows=on("_ROWS", "0"))
+        dyn = os.environ.get(ENV + "_DYNAMIC", "1").strip().lower() not in ("0", "false", "no", "off")
+        model.fuse(mode=mode, dynamic_tokens=dyn, gemv=os.environ.get(ENV + "_GEMV", "cublas").strip().lower())
 
 
 def _options(mode: str) -> dict:
@@ -216,7 +215,8 @@ def _linear(x, w, gemv: str):
     GEMV for an AR step's single row, the skinny GEMM for a verify's few. Inductor generating the GEMV itself, as a
     reduction with the norm fused into its loads, was measured slower than cuBLAS on the H200
     (AR step 2.08 against 1.64 ms; BENCHMARKS.md). With gemv "invariant", `ops.invariant_linear`:
-    a row's result does not depend on how many rows the call has (exact mode, docs/exact.md)."""
+    a row's result does not depend on how many rows the call has, by construction (cuBLAS's
+    measured so at the demo target's shapes, row_invariance_9fe7990.json, but promises nothing)."""
     if gemv == "invariant":
         return ops.invariant_linear(x, w)
     return ops.skinny_linear(x, w) if gemv == "triton" else ops.linear(x, w)
@@ -335,17 +335,6 @@ def mark_dynamic(dim: int, *ts) -> None:
             torch._dynamo.maybe_mark_dynamic(t, dim)
 
 
-def mark_unbacked(dim: int, *ts) -> None:
-    """Mark dimension `dim` unbacked (None skipped): unlike a dynamic size, 1 is not
-    specialised, so an AR step's single token runs the very graph — kernels and the configs
-    Inductor tuned for them — that a verify's nodes run."""
-    from torch._dynamo.decorators import mark_unbacked as _mark
-
-    for t in ts:
-        if t is not None:
-            _mark(t, dim)
-
-
 
 class _Layer:
     """One fusable block (GDN mixer + SwiGLU MLP): its compiled regions and weight handles."""
@@ -389,8 +378,7 @@ class FusedModel:
     """
 
     def __init__(self, model, mode: str = "default", concat_mlp: bool = True, max_shapes: int = 16,
-                 compile: bool = True, dynamic_tokens: bool = True, gemv: str = "cublas",
-                 invariant_rows: bool = False):
+                 compile: bool = True, dynamic_tokens: bool = True, gemv: str = "cublas"):
         from specla.model import GatedDeltaNet, GatedMLP
         from specla.precision import accumulation_dtype
 
@@ -400,9 +388,6 @@ class FusedModel:
             raise ValueError(f"unknown gemv {gemv!r}; choose one of {', '.join(GEMVS)}")
         self.model, self.mode, self.max_shapes, self.gemv = model, mode, max_shapes, gemv
         self.dynamic_tokens = dynamic_tokens
-        # one graph per region for every token count, AR steps included (`mark_unbacked`): a
-        # position's row is then computed by the same kernels at every verify width
-        self.invariant_rows = invariant_rows and dynamic_tokens
         _raise_recompile_limit()
         if compile:
             compile_fn = lambda kind, consts, mode: compiled(kind, consts, mode, dynamic_tokens)  # noqa: E731
@@ -445,9 +430,7 @@ class FusedModel:
 
         m = self.model
         x, r = m.embeddings(tokens), None  # r: the last MLP output, not yet added to x
-        if self.invariant_rows and self.compile:
-            mark = functools.partial(mark_unbacked, 1)  # one graph for every size, 1 included
-        elif self.dynamic_tokens and tokens.shape[1] > 1:
+        if self.dynamic_tokens and tokens.shape[1] > 1:
             mark = functools.partial(mark_dynamic, 1)  # one graph for every verify or prefill size
         else:
             mark = lambda *ts: None  # noqa: E731
@@ -482,7 +465,6 @@ class FusedModel:
             cw, cb = lay.conv_args()
             if parents is None and st.conv is not None and tokens.shape[1] == 1:
                 # an AR step: the conv and the factors are one kernel (Inductor made seven of them)
-                mark(x, r)
                 x, xp, z, a, b = lay.tree_in(x, r, blk.attn_norm.weight, mix.in_proj.weight)
                 q, k, v, g, beta = ops.step_prelude(xp, st.conv, cw, cb, a, b, mix.A_log, mix.dt_bias, mix.H,
                                                     mix.K, bool(mix.cfg.allow_neg_eigval), st.S.dtype)

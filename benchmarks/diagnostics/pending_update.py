@@ -6,20 +6,21 @@ one stage out ... and take differences").
 Fig 11b's goal is a fused verify + pending update within 5% of verify alone (`bench kernels`,
 `fused_over_verify` <= 1.05). The H200 measured a 5-token chain at 6.1 us a layer alone and
 7.3 us with 8 pending factors (1.19), and the extra ~1.15 us did not move with the accepted
-length A = 1..8: `advance_tile` walks all PP = next_pow2(P) factor rows, loading each row's k,
-u and g whatever the accepted length, and the verifier then writes the advanced tile back to
-the state (the flush). The variants split that cost into the flush store, the factor loads and
-the FMA chain, and try two exact rewrites that skip dead rows (mask_live, live_loop).
+length A = 1..8: `advance_tile` then walked all PP = next_pow2(P) factor rows, loading and
+applying each (dead rows as the identity) whatever the accepted length. This script split that
+cost into the flush store, the factor loads and the FMA chain, and timed exact rewrites that
+skip dead rows; the shipped kernel now loads and applies live rows only (`skip_dead` in the
+first runs, `current` since; `apply_dead` is the kernel before).
 
     TRITON_INTERPRET=1 python benchmarks/diagnostics/pending_update.py   # CPU smoke test
     python benchmarks/diagnostics/pending_update.py [--out FILE]          # H200
 
 Each variant is the shipped `specla/ops/gdn/commit.py` and `serial.py` with textual edits,
 imported from scratch modules (the serial copy imports `advance_tile` from its own commit
-copy); none of them is specla's code. `current`, `mask_live` and `live_loop` must equal the
-shipped verifier (outputs and the flushed state) and the script stops if they do not; the
-others are wrong on purpose and report their largest difference. Shapes: the paper's (H = HV =
-8, dk = dv = 256), a 5-node chain (`chain=True`) as `bench kernels`' fused section times it,
+copy); none of them is specla's code. The variants claimed exact must equal the shipped
+verifier (outputs and the flushed state) and the script stops if they do not; the others are
+wrong on purpose and report their largest difference. Shapes: the paper's (H = HV = 8,
+dk = dv = 256), a 5-node chain (`chain=True`) as `bench kernels`' fused section times it,
 pending buffers of P = 8 and 16 rows with A = 1, 4, 8 accepted, three serial tilings; 24 layers
 replayed from one CUDA graph and divided by 24. On CPU (TRITON_INTERPRET=1) it runs every
 variant at a tiny shape, does the exactness checks and writes no file.
@@ -46,22 +47,27 @@ COMMIT_SRC = ROOT / "specla/ops/gdn/commit.py"
 SERIAL_SRC = ROOT / "specla/ops/gdn/serial.py"
 IMPORT = "from specla.ops.gdn.commit import "  # serial.py's import of advance_tile, redirected per variant
 
-_K_LOAD = "        kr = tl.load(k + (row * H + i_h) * K + o_k, mask=mk & (p < P), other=0.0).to(tl.float32)\n"
-_U_LOAD = "        ur = tl.load(u + (row * HV + hv) * V + o_v, mask=mv & (p < P), other=0.0).to(tl.float32)\n"
+_K_LOAD = "        kr = tl.load(k + (row * H + i_h) * K + o_k, mask=mk & livep, other=0.0).to(tl.float32)\n"
+_U_LOAD = "        ur = tl.load(u + (row * HV + hv) * V + o_v, mask=mv & livep, other=0.0).to(tl.float32)\n"
 _FACTOR = "        row, livep, gp = _factor(path, g, b, hv, p, P, n_live, n_src, HV, HAS_PATH)\n"
-_UPDATE = "        S = decay_update(S, tl.exp(gp), tl.where(livep, kr, 0.0), tl.where(livep, ur, 0.0))\n"
+_UPDATE = "        if livep:\n            S = decay_update(S, tl.exp(gp), kr, ur)\n"
+_ALL_ROWS = [("mask=mk & livep", "mask=mk & (p < P)"), ("mask=mv & livep", "mask=mv & (p < P)")]
 
 # name -> (claimed exact, edits of commit.py, edits of serial.py); every old text must occur once.
 VARIANTS = {
     "current": (True, [], []),
-    # dead rows fetch nothing; their update stays the identity (zeros either way), so exact
-    "mask_live": (True, [("mask=mk & (p < P)", "mask=mk & livep"), ("mask=mv & (p < P)", "mask=mv & livep")], []),
+    # the kernel before: every padded row loaded and applied, dead ones as the identity (zeroed
+    # by `where`: γ = exp(0) = 1, k uᵀ = 0), so exact
+    "apply_dead": (True, _ALL_ROWS + [
+        (_UPDATE, "        S = decay_update(S, tl.exp(gp), tl.where(livep, kr, 0.0), tl.where(livep, ur, 0.0))\n")], []),
+    # dead rows fetch nothing but are applied as the identity (their loads gave zeros): exact
+    "mask_live": (True, [(_UPDATE, "        S = decay_update(S, tl.exp(gp), kr, ur)\n")], []),
     # the flush: the advanced tile is not written back (the scalar length test stays)
     "no_store": (False, [], [("                tl.store(p_S, S, mask=m_S)\n", "                pass\n")]),
-    # every row still loaded, but summed (vector adds) and applied as one update at the end, so
-    # current - no_math is the cost of PP - 1 tile-wide FMA passes; a plain deletion would let
-    # the compiler drop the loads too
-    "no_math": (False, [
+    # every padded row loaded, summed (vector adds) and applied as one update at the end, so
+    # apply_dead - no_math is the cost of PP - 1 tile-wide FMA passes; a plain deletion would
+    # let the compiler drop the loads too
+    "no_math": (False, _ALL_ROWS + [
         ("    n_live = tl.load(length + b)\n",
          "    n_live = tl.load(length + b)\n    acc_g = 0.0\n    acc_k = o_k * 0.0\n    acc_u = o_v * 0.0\n"),
         (_UPDATE + "    return S\n",
@@ -69,18 +75,15 @@ VARIANTS = {
          "    return decay_update(S, tl.exp(acc_g), acc_k, acc_u)\n"),
     ], []),
     # no factor loads: k, u and the decay come from the tile's own indices (per-thread values
-    # the compiler cannot fold into a constant tile) and liveness still from the loaded length,
-    # so the PP-long FMA chain is the shipped one
+    # the compiler cannot fold into a constant tile), every padded row applied, so the PP-long
+    # FMA chain is apply_dead's
     "no_loads": (False, [
         (_FACTOR, "        livep = (p < P) & (p < n_live)\n        gp = tl.where(livep, -0.01 * (p + 1), 0.0)\n"),
         (_K_LOAD, "        kr = (o_k + p).to(tl.float32) * 1e-3\n"),
         (_U_LOAD, "        ur = (o_v - p).to(tl.float32) * 1e-3\n"),
+        (_UPDATE, "        S = decay_update(S, tl.exp(gp), tl.where(livep, kr, 0.0), tl.where(livep, ur, 0.0))\n"),
     ], []),
-    # every row's loads still issued up front (masked by liveness, as mask_live), the update
-    # applied only to live rows: a uniform branch per row, no FMA pass for dead ones; exact
-    "skip_dead": (True, [("mask=mk & (p < P)", "mask=mk & livep"), ("mask=mv & (p < P)", "mask=mv & livep"),
-                         (_UPDATE, "        if livep:\n            S = decay_update(S, tl.exp(gp), kr, ur)\n")], []),
-    # only the accepted rows are visited; the skipped rows were identities, so exact
+    # only the accepted rows are visited, in a loop of n_live iterations: exact
     "live_loop": (True, [("    for p in tl.static_range(PP):\n", "    for p in range(n_live):\n")], []),
 }
 TILINGS = [{"block_v": 8, "num_warps": 1}, {"block_v": 8, "num_warps": 2}, {"block_v": 16, "num_warps": 4}]

@@ -174,15 +174,13 @@ def main(argv=None) -> int:
     prompt = torch.randint(0, model.cfg.vocab_size, (1, 40), generator=g).to(dev)
     tree = torch.tensor([[-1, 0, 0, 0, 0, 1, 1, 2, 2, 5, 5, 7, 9, 9, 11, 12, 14]], device=dev)
     result["model_runs"] = {}
-    # (name, gemv, invariant_rows): rows=True runs AR steps through the verifies' graphs
-    options = [("plain", None, False)] + ([("fused_cublas", "cublas", False), ("fused_cublas_rows", "cublas", True),
-                                           ("fused_invariant_rows", "invariant", True)] if cuda else
-                                          [("fused_invariant_eager", "invariant", False)])
-    for name, gemv, rows in options:
+    options = [("plain", None)] + ([(f"fused_{g}", g) for g in ("cublas", "triton", "invariant")] if cuda else
+                                   [("fused_invariant_eager", "invariant")])
+    for name, gemv in options:
         if gemv is None:
             model.fuse(False)
         else:
-            model.fuse(mode="default", gemv=gemv, compile=cuda, invariant_rows=rows)
+            model.fuse(mode="default", gemv=gemv, compile=cuda)
         result["model_runs"][name] = whole_model(model, prompt, tree)
         print(name, json.dumps(result["model_runs"][name]), flush=True)
     model.fuse(False)

@@ -65,8 +65,8 @@ def conv_sequence(x, conv_state, weight, bias, valid=None):
 def conv_taps(x, conv_state, weight, bias):
     """`conv_sequence` written as W multiply-adds (so a compiler fuses it), accumulated in fp32
     (fp64 for fp64 inputs) in tap order like cuDNN's conv and rounded once to x's dtype, then
-    SiLU; the conv state advanced in place. The fused path's sequence region and the step
-    prelude compute the conv this way."""
+    SiLU; the conv state advanced in place. The fused path's sequence region (prefill)
+    computes the conv this way; decode steps take `step_prelude`, a verify's arithmetic."""
     T, W = x.shape[1], weight.shape[1]
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     hist = torch.cat([conv_state.transpose(1, 2).to(x.dtype), x], dim=1)  # [B, W-1+T, C], oldest first
@@ -81,18 +81,21 @@ def conv_taps(x, conv_state, weight, bias):
 
 def step_prelude(x, conv_state, weight, bias, a, b, A_log, dt_bias, num_heads: int, head_dim: int,
                  neg_eigval: bool, state_dtype=torch.float32):
-    """An AR step's GDN inputs from its projection, one token per row: the short conv over the
-    conv state (advanced in place), SiLU, then the factors (`ops.gdn.naive.factors`).
+    """An AR step's GDN inputs from its projection, one token per row: `tree_prelude` of the
+    token as a one-node verify (so a step computes what a verify computes for that position),
+    then the conv state advanced by the token in place.
 
     x [B, 1, C] pre-conv inputs (C = 2·H·K + HV·V: q, k, v), a, b [B, 1, HV]; returns q, k
     [B, 1, H, K] (l2-normalised), v [B, 1, HV, V], g and beta [B, 1, HV], in `state_dtype`.
-    The conv accumulates its taps in fp32 (fp64 for fp64 inputs) in tap order and rounds once
-    to x's dtype, as the fused path's sequence region does.
     """
+    B = x.shape[0]
     if x.shape[1] != 1:
         raise ValueError(f"step_prelude takes one token per row, got {x.shape[1]}")
-    xc = conv_taps(x, conv_state, weight, bias).to(state_dtype)
-    return factors(xc, a, b, A_log, dt_bias, num_heads, head_dim, neg_eigval, state_dtype)
+    root = torch.full((B, 1), -1, dtype=torch.long, device=x.device)
+    out = tree_prelude(x, conv_state, weight, bias, root, a, b, A_log, dt_bias, num_heads, head_dim, neg_eigval,
+                       state_dtype)
+    conv_commit(conv_state, x, torch.zeros_like(root), torch.ones(B, dtype=torch.long, device=x.device))
+    return out
 
 
 def tree_prelude(x, conv_state, weight, bias, parents, a, b, A_log, dt_bias, num_heads: int, head_dim: int,

@@ -8,9 +8,8 @@ arithmetic the verifiers use to advance their resident tile (`decay_update`), no
 closed rank-A form Γ_A S + Σ (Γ_A/Γ_i) k_i u_iᵀ: a committed state is then bit-for-bit the
 state the verifier reached at that node, so a speculative round and an AR step through the
 same verify compute identical logits at every position (exact mode, `docs/exact.md`). Every
-factor row is loaded independently of the state and of the accepted length (rows past it
-are zeroed, which makes their update the identity: γ = exp(0) = 1, k uᵀ = 0), so the loads
-overlap the state load. `advance_tile` is the update as a device function: the verifiers and
+live factor row's load is issued before any update, so the loads overlap the state load;
+rows past the accepted length are neither loaded nor applied. `advance_tile` is the update as a device function: the verifiers and
 the state reader call it to apply a pending (delayed) commit to the tile they just loaded
 (SpecLA §5.2).
 """
@@ -56,13 +55,15 @@ def advance_tile(S, b, hv, i_h, k, g, u, path, length, n_src, P,
     """
     n_live = tl.load(length + b)
     for p in tl.static_range(PP):
-        # each row is loaded straight into the vector layout it is used in; dead rows (past
-        # length, or padding past P) are zeroed with `where`, never multiplied, so garbage
-        # there cannot turn into NaN
+        # each row is loaded straight into the vector layout it is used in, only if it is live
+        # (within length and P); a dead row is skipped, not applied as the identity: a chain
+        # buffer has 16 padded rows and ~5 accepted ones, and the 16-long FMA chain over the tile
+        # cost more than the verify's first nodes (H200, pending_update_9fe7990.json)
         row, livep, gp = _factor(path, g, b, hv, p, P, n_live, n_src, HV, HAS_PATH)
-        kr = tl.load(k + (row * H + i_h) * K + o_k, mask=mk & (p < P), other=0.0).to(tl.float32)
-        ur = tl.load(u + (row * HV + hv) * V + o_v, mask=mv & (p < P), other=0.0).to(tl.float32)
-        S = decay_update(S, tl.exp(gp), tl.where(livep, kr, 0.0), tl.where(livep, ur, 0.0))
+        kr = tl.load(k + (row * H + i_h) * K + o_k, mask=mk & livep, other=0.0).to(tl.float32)
+        ur = tl.load(u + (row * HV + hv) * V + o_v, mask=mv & livep, other=0.0).to(tl.float32)
+        if livep:
+            S = decay_update(S, tl.exp(gp), kr, ur)
     return S
 
 
