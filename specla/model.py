@@ -110,6 +110,13 @@ class GatedDeltaNet(nn.Module):
         x, z, a, b = self._project(h)
         if st.conv is None:
             xc = F.silu(x)
+        elif h.shape[1] == 1 and valid is None:
+            # an AR step convolves as a verify's one-node chain (then shifts the window), so it
+            # computes the bits a verify computes for that position (docs/exact.md)
+            B = h.shape[0]
+            root = torch.full((B, 1), -1, dtype=torch.long, device=h.device)
+            xc = ops.tree_conv(x, st.conv, self.conv_weight, self.conv_bias, root)
+            ops.conv_commit(st.conv, x, torch.zeros_like(root), torch.ones(B, dtype=torch.long, device=h.device))
         else:
             xc = ops.conv_sequence(x, st.conv, self.conv_weight, self.conv_bias, valid)
         q, k, v, g, beta = self._factors(xc, a, b, st.S.dtype)
