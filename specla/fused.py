@@ -216,7 +216,7 @@ def _linear(x, w, gemv: str):
     reduction with the norm fused into its loads, was measured slower than cuBLAS on the H200
     (AR step 2.08 against 1.64 ms; BENCHMARKS.md). With gemv "invariant", `ops.invariant_linear`:
     a row's result does not depend on how many rows the call has, by construction (cuBLAS's
-    measured so at the demo target's shapes, row_invariance_9fe7990.json, but promises nothing)."""
+    measured so at the demo target's shapes, row_invariance_e7ca6a9.json, but promises nothing)."""
     if gemv == "invariant":
         return ops.invariant_linear(x, w)
     return ops.skinny_linear(x, w) if gemv == "triton" else ops.linear(x, w)

@@ -295,8 +295,9 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     tiling per weight shape whatever the row count, so each row is the same chain of `tl.dot`s
     over the same K tiles (cuBLAS picks another kernel for 1, 9 or 17 rows, and those round
     differently); elsewhere the reference row by row. More rows (a prefill, which every route
-    shares) go to F.linear. Exact mode at each route's own verify width rests on it
-    (docs/exact.md). A custom op, so that a compiled region keeps it one opaque call."""
+    shares) go to F.linear. The fused path's `gemv="invariant"` (docs/exact.md): an AR step
+    then computes a position as a verify does whatever cuBLAS would pick. A custom op, so that
+    a compiled region keeps it one opaque call."""
     K = x.shape[-1]
     rows = x.numel() // max(K, 1)
     if rows > linear_ref.INVARIANT_MAX_ROWS:

@@ -7,11 +7,10 @@ factors in registers and stores the tile. The factors are applied one by one wit
 arithmetic the verifiers use to advance their resident tile (`decay_update`), not in the
 closed rank-A form Γ_A S + Σ (Γ_A/Γ_i) k_i u_iᵀ: a committed state is then bit-for-bit the
 state the verifier reached at that node, so a speculative round and an AR step through the
-same verify compute identical logits at every position (exact mode, `docs/exact.md`). Every
-live factor row's load is issued before any update, so the loads overlap the state load;
-rows past the accepted length are neither loaded nor applied. `advance_tile` is the update as a device function: the verifiers and
-the state reader call it to apply a pending (delayed) commit to the tile they just loaded
-(SpecLA §5.2).
+same verify compute identical logits at every position (`docs/exact.md`). Rows past the
+accepted length are neither loaded nor applied. `advance_tile` is the update as a device
+function: the verifiers and the state reader call it to apply a pending (delayed) commit to the
+tile they just loaded (SpecLA §5.2).
 """
 
 from __future__ import annotations
