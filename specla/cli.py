@@ -259,13 +259,19 @@ def bench_agreement(
                                           "(SPECLA_COMPILE=1 does the same)."),
     quick: bool = typer.Option(False, help="2 runs of 16 tokens (smoke test; on CPU use --shape tiny)."),
     exact: bool = typer.Option(True, "--exact/--no-exact", help="Also run AR and both routes in exact mode."),
+    gemv: str = typer.Option("cublas", help="With --compile: how the products run (cublas | triton | invariant: "
+                             "rows independent of the row count)."),
+    name: str = typer.Option("agreement", help="Result file stem."),
     out: Path = typer.Option(Path("benchmarks/results")),
 ):
     """How often bf16 chain/tree outputs equal AR's; first divergence and AR's logit margin there."""
     from specla.bench.agreement import run
+    from specla.fused import GEMVS
 
+    if gemv not in GEMVS:
+        raise InputError(f"--gemv takes {', '.join(GEMVS)}, got {gemv!r}")
     run(shape=shape, runs=runs, new_tokens=new_tokens, prompt_len=prompt_len, noise=noise, device=device,
-        quick=quick, compile=compile, exact=exact, out_dir=out)
+        quick=quick, compile=compile, exact=exact, gemv=gemv, name=name, out_dir=out)
 
 
 DRAFTER_KINDS = ("eagle", "dspark", "ready", "dspark-ft")

@@ -17,7 +17,10 @@ the bits of a row change with the width:
    layer's hidden state against row 0 of a verify at widths 1, 9 and 17 (chain; a 17-node tree
    under `ops.exact_arithmetic`), and the GDN and conv states after committing that row.
 
-    python benchmarks/diagnostics/row_invariance.py [--model DIR] [--out FILE]
+    python benchmarks/diagnostics/row_invariance.py [--model DIR | --shape NAME] [--out FILE]
+
+--shape: a named shape with random weights (`specla.shapes`), e.g. gdn-1.3b-paper, where
+`bench agreement` found chains and AR apart after the prelude fix (agreement_d5c425d.json).
 
 On CPU it runs everything once in fp32 (a smoke test of the script; CPU kernels are another
 question, docs/exact.md).
@@ -36,6 +39,7 @@ import torch.nn.functional as F
 from specla import ops
 from specla.bench.common import environment, graph_time_ms
 from specla.checkpoint import load_model
+from specla.shapes import random_model
 from specla.topology import chain
 
 WIDTHS = (2, 5, 9, 17)
@@ -159,13 +163,19 @@ def whole_model(model, prompt: torch.Tensor, tree_parents: torch.Tensor) -> dict
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(Path(__file__).resolve().parents[2] / "specla/models/demo"))
+    ap.add_argument("--shape", default=None, help="a named shape with random weights instead of --model")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/row_invariance.json"))
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
-    model = load_model(args.model, device=dev, dtype=torch.bfloat16 if cuda else torch.float32)
-    result = {**environment(), "note": __doc__.split("\n\n")[0], "model": args.model, "dtype": str(model.dtype)}
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if args.shape:
+        model = random_model(args.shape if cuda else "tiny", device=dev, dtype=dtype)
+    else:
+        model = load_model(args.model, device=dev, dtype=dtype)
+    result = {**environment(), "note": __doc__.split("\n\n")[0], "model": args.shape or args.model,
+              "dtype": str(model.dtype)}
     result["matmuls"] = matmuls(model, cuda)
     result["gdn"] = gdn_pieces(model)
     print("gdn", json.dumps(result["gdn"]), flush=True)

@@ -122,10 +122,12 @@ def _quantiles(xs: list[float]) -> dict:
 def run(shape: str = "gdn-1.3b-paper", runs: int = 50, new_tokens: int = 128, prompt_len: int = 64,
         device: str = "cuda", dtype: torch.dtype | None = None, noise: float = 0.2, chain_length: int = 8,
         tree: tuple[int, int, int] = (4, 4, 16), quick: bool = False, compile: str | None = None,
-        seed: int = 0, exact: bool = True, out_dir=RESULTS) -> dict:
-    """`compile` ('default' / 'max-autotune') fuses the target (`Model.fuse`), as does
-    SPECLA_COMPILE; the fused path then serves AR and both routes. `exact`: also run AR and
-    both routes in exact mode (`chain+exact`, `tree+exact`, compared with exact-mode AR)."""
+        seed: int = 0, exact: bool = True, gemv: str = "cublas", name: str = "agreement",
+        out_dir=RESULTS) -> dict:
+    """`compile` ('default' / 'max-autotune') fuses the target (`Model.fuse`, its products run
+    the `gemv` way: `fused.GEMVS`), as does SPECLA_COMPILE; the fused path then serves AR and
+    both routes. `exact`: also run AR and both routes in exact mode (`chain+exact`,
+    `tree+exact`, compared with exact-mode AR). `name`: the result file's stem."""
     dev = torch.device(device)
     graphs = dev.type == "cuda"
     dtype = dtype or torch.bfloat16
@@ -133,7 +135,7 @@ def run(shape: str = "gdn-1.3b-paper", runs: int = 50, new_tokens: int = 128, pr
         runs, new_tokens, prompt_len = min(runs, 2), min(new_tokens, 16), min(prompt_len, 16)
     model = random_model(shape, device=dev, dtype=dtype, seed=seed)
     if compile:
-        model.fuse(mode=compile)
+        model.fuse(mode=compile, gemv=gemv)
     V = model.cfg.vocab_size
     max_len = prompt_len + new_tokens + 64
     ar_target = GraphTarget(model, 1, max_len, 1, True) if graphs else EagerTarget(model, 1, max_len)
@@ -185,6 +187,7 @@ def run(shape: str = "gdn-1.3b-paper", runs: int = 50, new_tokens: int = 128, pr
     result = {
         "shape": shape, "dtype": str(dtype).removeprefix("torch."), "graphs": graphs,
         "fused": model._fused.mode if getattr(model, "_fused", None) is not None else None,
+        "gemv": model._fused.gemv if getattr(model, "_fused", None) is not None else None,
         "runs": runs, "new_tokens": new_tokens, "prompt_len": prompt_len,
         "drafter": f"noisy oracle: AR's continuation along each topology's main line, each token replaced "
                    f"by a random one with probability {noise}; other nodes random",
@@ -196,7 +199,7 @@ def run(shape: str = "gdn-1.3b-paper", runs: int = 50, new_tokens: int = 128, pr
         "summary": summary, "per_run": per_run,
     }
     _print(result)
-    write_results("agreement", result, out_dir)
+    write_results(name, result, out_dir)
     return result
 
 
