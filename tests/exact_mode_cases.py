@@ -135,7 +135,34 @@ def hybrid_chains(seed):
     assert accepted > 0
 
 
+def default_chains_equal_ar(seed):
+    """Without exact mode: through the fused path with row-invariant products
+    (`gemv="invariant"`) and the Triton kernels (interpreter), fp32, chain routes (n-gram
+    chains; an oracle drafting chains with long and empty acceptances) verify at their own width
+    and still emit AR's tokens and end in its GDN and conv states bit for bit, delayed commits
+    and immediate: an AR step computes a position as a verify's row does (docs/exact.md).
+    fp32, because the interpreter's bf16 `tl.dot` is broken (test_linear_kernels.py); the state
+    check is bitwise either way."""
+    cfg = tiny_config(seed, vocab_size=256, num_hidden_layers=2)
+    model = random_model(cfg, seed, dtype=torch.float32)
+    model.fuse(mode="default", compile=False, gemv="invariant")
+    prompt = make_prompt(cfg, seed, 8)
+    with ops.backend("triton"):
+        ar_rows, _, ar_cache = Decoder(model).run(torch.tensor([prompt]), 24)
+        oracle = [prompt + ar_rows[0]]
+        accepted = 0
+        for make in (lambda: NgramDrafter(length=8, topk=1),
+                     lambda: OracleTreeDrafter(oracle, cfg.vocab_size, max_nodes=9, seed=seed, shapes=("deep_chain",))):
+            for delayed in (True, False):
+                rows, res, cache = Decoder(model, make(), "chain", delayed=delayed).run(torch.tensor([prompt]), 24)
+                assert rows == ar_rows, delayed
+                assert_bitwise_state(cache, ar_cache)
+                accepted += sum(r.accepted for r in res.rounds)
+        assert accepted > 0
+
+
 CASES = {
+    "default_chains": lambda: [default_chains_equal_ar(seed) for seed in range(2)],
     "hybrid": lambda: [hybrid_chains(seed) for seed in range(4)],
     "routes": lambda: [routes_equal_ar_bitwise_in_bf16(seed) for seed in range(8)],
     "control": without_exact_mode_states_differ,
