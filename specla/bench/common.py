@@ -89,13 +89,16 @@ def copy_bandwidth(nbytes: int = 2 ** 30) -> float:
 
 def warm_set(items, max_new_tokens: int) -> list:
     """What a benchmark generates, untimed, before timing anything: from (prompt length, item)
-    pairs, the longest item, then the longest of every shorter power-of-two context size
-    (length + max_new_tokens), longest first. The first sizes every buffer; each of the others
-    makes the drafters capture (and compile) their graph for one more attention window."""
-    widest: dict = {}
+    pairs, the longest and the shortest item of every power-of-two context size (length +
+    max_new_tokens), longest first. The first sizes every buffer; each of the others makes the
+    drafters capture (and compile) their graph for one more attention window. Both ends of a
+    size: a drafter's window also holds its rollout, so one context size spans two windows (the
+    shortest prompt of e7ca6a9's mixed suite captured a graph inside its timing)."""
+    ends: dict = {}
     for n, item in items:
         size = n + max_new_tokens
         b = (size - 1).bit_length()
-        if b not in widest or size > widest[b][0]:
-            widest[b] = (size, item)
-    return [item for _, item in sorted(widest.values(), key=lambda t: -t[0])]
+        lo, hi = ends.get(b, ((size, item), (size, item)))
+        ends[b] = (min(lo, (size, item), key=lambda t: t[0]), max(hi, (size, item), key=lambda t: t[0]))
+    picked = {id(item): (size, item) for pair in ends.values() for size, item in pair}
+    return [item for _, item in sorted(picked.values(), key=lambda t: -t[0])]
