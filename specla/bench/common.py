@@ -93,7 +93,7 @@ def warm_set(items, max_new_tokens: int) -> list:
     max_new_tokens), longest first. The first sizes every buffer; each of the others makes the
     drafters capture (and compile) their graph for one more attention window. Both ends of a
     size: a drafter's window also holds its rollout, so one context size spans two windows (the
-    shortest prompt of e7ca6a9's mixed suite captured a graph inside its timing)."""
+    35-token prompt of e7ca6a9's mixed suite captured a window's graph inside its timing)."""
     ends: dict = {}
     for n, item in items:
         size = n + max_new_tokens
