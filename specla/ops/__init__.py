@@ -309,6 +309,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     _, tiling = LINEAR_TILINGS.get(("skinny", *weight.shape), SKINNY_TILING)
     if tiling is None:  # cuBLAS measured fastest for this shape: the default tiling then
         tiling = SKINNY_TILING[1]
+    tiling = {k: v for k, v in tiling.items() if k != "block_m"}  # one row block for every row count
     return linear_triton.skinny(x, weight, block_m=linear_ref.INVARIANT_MAX_ROWS, **tiling)
 
 
