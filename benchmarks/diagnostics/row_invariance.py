@@ -74,10 +74,32 @@ def matmuls(model, cuda: bool) -> list[dict]:
                    "rows": {str(n): v for n, v in rows_check(fn, x, w).items()}}
             for n in (1, 9, 17):
                 row[f"us_{n}"] = graph_time_ms(lambda: [fn(x[:n], w) for _ in range(20)], cuda) * 1e3 / 20
+            if kname == "invariant":
+                row["tilings"] = invariant_tilings(x, w, cuda)
             rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "rows"}),
+            print(json.dumps({k: v for k, v in row.items() if k not in ("rows", "tilings")}),
                   {n: v["equal"] for n, v in row["rows"].items()}, flush=True)
     return rows
+
+
+def invariant_tilings(x: torch.Tensor, w: torch.Tensor, cuda: bool) -> list[dict]:
+    """The invariant product at every skinny tiling (32-row blocks): µs at 1 and 17 rows and
+    whether 17 rows still give each row its one-row bits. One tiling serves every row count, so
+    the one to pick minimises the slower of the two."""
+    from specla.ops.linear import triton as linear_triton
+
+    out = []
+    for _, bn, bk, warps in linear_triton.SKINNY_TILINGS:
+        t = {"block_n": bn, "block_k": bk, "num_warps": warps}
+        fn = lambda a, b: linear_triton.skinny(a, b, block_m=32, **t)  # noqa: E731
+        alone = torch.cat([fn(x[i:i + 1], w) for i in range(17)])
+        out.append({**t, "rows_equal_17": bool(torch.equal(fn(x[:17], w), alone)),
+                    **{f"us_{n}": graph_time_ms(lambda: [fn(x[:n], w) for _ in range(20)], cuda) * 1e3 / 20
+                       for n in (1, 17)}})
+    best = min(out, key=lambda r: max(r["us_1"], r["us_17"]))
+    print("  invariant tilings:", ", ".join(f"{r['block_n']}/{r['block_k']}/w{r['num_warps']}: "
+                                             f"{r['us_1']:.1f}/{r['us_17']:.1f} us" for r in out), "best", best, flush=True)
+    return out
 
 
 def gdn_pieces(model) -> dict:
