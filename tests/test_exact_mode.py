@@ -1,4 +1,5 @@
-"""Exact mode (docs/exact.md): bit-identical tokens and states across routes in bf16.
+"""Bit-identical tokens and states across routes (docs/exact.md): exact mode in bf16, and
+chains against plain AR without it.
 
 The cases live in `exact_mode_cases.py` and run in a child process with torch's portable CPU
 kernels (ATEN_CPU_CAPABILITY=default): torch reads it at import, and the vectorised kernels
@@ -25,21 +26,30 @@ from conftest import random_model, tiny_config
 HERE = Path(__file__).parent
 
 
-@pytest.mark.parametrize("case", ["routes", "control", "triton", "hybrid", "default_chains"])
-def test_exact_mode_bitwise_in_bf16(case):
-    """routes: chains, n-gram trees and random oracle trees (delayed and immediate commits)
-    emit exact-mode AR's tokens and end in its GDN and conv states bit for bit, 8 random bf16
-    models. control: without exact mode the same kind of run does not end in AR's state bit
-    for bit (the checks can fail). triton: the same through the Triton kernels (interpreter)
-    on emulated CUDA graphs. hybrid: chain routes on dense GDN + attention targets.
-    default_chains: without exact mode, on the fused path with row-invariant products, chains
-    at their own width equal plain AR bit for bit (it fails with the AR step's prelude of
-    3a5eec7)."""
+def _run_case(case: str) -> None:
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, str(HERE / "exact_mode_cases.py"), case], cwd=HERE, env=env,
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     assert f"{case}: ok" in proc.stdout
+
+
+@pytest.mark.parametrize("case", ["routes", "control", "triton", "hybrid"])
+def test_exact_mode_bitwise_in_bf16(case):
+    """routes: chains, n-gram trees and random oracle trees (delayed and immediate commits)
+    emit exact-mode AR's tokens and end in its GDN and conv states bit for bit, 8 random bf16
+    models. control: without exact mode the same kind of run does not end in AR's state bit
+    for bit (the checks can fail). triton: the same through the Triton kernels (interpreter)
+    on emulated CUDA graphs. hybrid: chain routes on dense GDN + attention targets."""
+    _run_case(case)
+
+
+def test_default_chains_equal_ar_bitwise():
+    """Without exact mode, on the fused path with row-invariant products and the Triton kernels,
+    chains at their own verify width equal plain AR bit for bit, tokens and states
+    (`exact_mode_cases.default_chains_equal_ar`; it fails with the AR step's prelude of
+    3a5eec7)."""
+    _run_case("default_chains")
 
 
 def test_exact_mode_rejects_drafts_wider_than_its_width():
