@@ -111,12 +111,9 @@ class GatedDeltaNet(nn.Module):
         if st.conv is None:
             xc = F.silu(x)
         elif h.shape[1] == 1 and valid is None:
-            # an AR step convolves as a verify's one-node chain (then shifts the window), so it
-            # computes the bits a verify computes for that position (docs/exact.md)
-            B = h.shape[0]
-            root = torch.full((B, 1), -1, dtype=torch.long, device=h.device)
-            xc = ops.tree_conv(x, st.conv, self.conv_weight, self.conv_bias, root)
-            ops.conv_commit(st.conv, x, torch.zeros_like(root), torch.ones(B, dtype=torch.long, device=h.device))
+            # an AR step convolves as a verify's one-node chain, so it computes the bits a verify
+            # computes for that position (docs/exact.md)
+            xc = ops.step_conv(x, st.conv, self.conv_weight, self.conv_bias)
         else:
             xc = ops.conv_sequence(x, st.conv, self.conv_weight, self.conv_bias, valid)
         q, k, v, g, beta = self._factors(xc, a, b, st.S.dtype)

@@ -94,11 +94,12 @@ def warm_set(items, max_new_tokens: int) -> list:
     drafters capture (and compile) their graph for one more attention window. Both ends of a
     size: a drafter's window also holds its rollout, so one context size spans two windows (the
     35-token prompt of e7ca6a9's mixed suite captured a window's graph inside its timing)."""
-    ends: dict = {}
+    groups: dict = {}
     for n, item in items:
         size = n + max_new_tokens
-        b = (size - 1).bit_length()
-        lo, hi = ends.get(b, ((size, item), (size, item)))
-        ends[b] = (min(lo, (size, item), key=lambda t: t[0]), max(hi, (size, item), key=lambda t: t[0]))
-    picked = {id(item): (size, item) for pair in ends.values() for size, item in pair}
-    return [item for _, item in sorted(picked.values(), key=lambda t: -t[0])]
+        groups.setdefault((size - 1).bit_length(), []).append((size, item))
+    picked = []
+    for group in groups.values():
+        hi, lo = max(group, key=lambda t: t[0]), min(group, key=lambda t: t[0])
+        picked += [hi] if lo is hi else [hi, lo]
+    return [item for _, item in sorted(picked, key=lambda t: -t[0])]

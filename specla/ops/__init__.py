@@ -219,6 +219,14 @@ def gated_rms_norm(o, z, weight, eps, act, out_dtype):
     return norm_triton.gated_rms_norm(o, z, weight, eps, act, out_dtype)
 
 
+def step_conv(x, conv_state, weight, bias):
+    if not use_triton(x) or x.dtype == torch.float64:
+        return conv_ref.step_conv(x, conv_state, weight, bias)
+    from specla.ops.conv import triton as conv_triton
+
+    return conv_triton.step_conv(x, conv_state, weight, bias)
+
+
 def step_prelude(x, conv_state, weight, bias, a, b, A_log, dt_bias, num_heads, head_dim, neg_eigval,
                  state_dtype=torch.float32):
     if not use_triton(x) or x.dtype == torch.float64 or state_dtype != torch.float32:

@@ -58,6 +58,7 @@ def variants(H=8, HV=8, K=256, V=256):
     for NP in (16, 64):
         yield f"tree_conv NP={NP}", conv._tree_conv_kernel, dict(W=4, NP=NP, BC=2048 // NP, HAS_BIAS=False), 4
     yield "conv_commit", conv._conv_commit_kernel, dict(W=4, WP=4, BC=128), 4
+    yield "step_conv", conv._step_conv_kernel, dict(W=4, WP=4, BC=128, HAS_BIAS=False), 4
     yield ("step_prelude", conv._step_prelude_kernel,
            dict(H=H, HV=HV, K=K, V=V, W=4, WP=4, BK=K, BV=V, HAS_BIAS=False, NEG=False), 4)
     for NP in (16, 32):

@@ -164,6 +164,15 @@ def test_step_prelude_is_row_zero_of_every_chain_verify(dtype, bias):
     committed = conv_state.clone()
     conv_triton.conv_commit(committed, x, torch.zeros(B, 1, dtype=torch.long), torch.ones(B, dtype=torch.long))
     assert torch.equal(stepped, committed)
+    # the plain path's step conv: the one-node tree conv's bits, the same state, the reference's values
+    conv_stepped, ref_stepped = conv_state.clone(), conv_state.clone()
+    y = conv_triton.step_conv(x[:, :1], conv_stepped, weight, bias_)
+    root = torch.full((B, 1), -1)
+    assert torch.equal(y, conv_triton.tree_conv(x[:, :1], conv_state, weight, bias_, root))
+    assert torch.equal(conv_stepped, committed)
+    ref = naive.step_conv(x[:, :1], ref_stepped, weight, bias_)
+    assert torch.equal(ref_stepped, committed)
+    assert (y.float() - ref.float()).abs().max() <= 2e-2 * ref.float().abs().max().clamp(min=1)
 
 
 def test_tree_prelude_rejects_more_nodes_than_its_tile():

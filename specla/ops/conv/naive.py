@@ -79,23 +79,30 @@ def conv_taps(x, conv_state, weight, bias):
     return F.silu(y.to(x.dtype))
 
 
+def step_conv(x, conv_state, weight, bias):
+    """An AR step's conv, one token per row (x [B, 1, C]): `tree_conv` of the token as a
+    one-node chain, so a step computes what a verify computes for that position, then the conv
+    state moved on by the token in place."""
+    B = x.shape[0]
+    if x.shape[1] != 1:
+        raise ValueError(f"step_conv takes one token per row, got {x.shape[1]}")
+    root = torch.full((B, 1), -1, dtype=torch.long, device=x.device)
+    y = tree_conv(x, conv_state, weight, bias, root)
+    conv_commit(conv_state, x, torch.zeros_like(root), torch.ones(B, dtype=torch.long, device=x.device))
+    return y
+
+
 def step_prelude(x, conv_state, weight, bias, a, b, A_log, dt_bias, num_heads: int, head_dim: int,
                  neg_eigval: bool, state_dtype=torch.float32):
-    """An AR step's GDN inputs from its projection, one token per row: `tree_prelude` of the
-    token as a one-node verify (so a step computes what a verify computes for that position),
-    then the conv state advanced by the token in place.
+    """An AR step's GDN inputs from its projection, one token per row: `step_conv` (the conv
+    state advanced in place), then the factors, as `tree_prelude` computes them for a one-node
+    verify.
 
     x [B, 1, C] pre-conv inputs (C = 2·H·K + HV·V: q, k, v), a, b [B, 1, HV]; returns q, k
     [B, 1, H, K] (l2-normalised), v [B, 1, HV, V], g and beta [B, 1, HV], in `state_dtype`.
     """
-    B = x.shape[0]
-    if x.shape[1] != 1:
-        raise ValueError(f"step_prelude takes one token per row, got {x.shape[1]}")
-    root = torch.full((B, 1), -1, dtype=torch.long, device=x.device)
-    out = tree_prelude(x, conv_state, weight, bias, root, a, b, A_log, dt_bias, num_heads, head_dim, neg_eigval,
-                       state_dtype)
-    conv_commit(conv_state, x, torch.zeros_like(root), torch.ones(B, dtype=torch.long, device=x.device))
-    return out
+    xc = step_conv(x, conv_state, weight, bias).to(state_dtype)
+    return factors(xc, a, b, A_log, dt_bias, num_heads, head_dim, neg_eigval, state_dtype)
 
 
 def tree_prelude(x, conv_state, weight, bias, parents, a, b, A_log, dt_bias, num_heads: int, head_dim: int,

@@ -144,6 +144,37 @@ def _l2norm_rows(s, R: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
+def _step_conv_kernel(x, conv_state, weight, bias, y, C, s_xb, W: tl.constexpr, WP: tl.constexpr,
+                      BC: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # the token as node 0 of a one-node chain (a two-row tile, the second empty): the verify's
+    # conv code, so the output is the bits `tree_conv` gives that position
+    b = tl.program_id(0)
+    ch = tl.program_id(1) * BC + tl.arange(0, BC)
+    mc = ch < C
+    j = tl.arange(0, 2)
+    s = _tree_conv_tile(x, conv_state, weight, bias, x, b, ch, mc, 1, C, s_xb, 0, W, 2, BC, HAS_BIAS, True)
+    _shift_conv_state(x, conv_state, b, ch, mc, C, s_xb, W, WP)
+    tl.store(y + b.to(tl.int64) * C + j[:, None] * 0 + ch[None, :], s.to(y.dtype.element_ty),
+             mask=(j == 0)[:, None] & mc[None, :])
+
+
+def step_conv(x, conv_state, weight, bias, *, block_c: int = 128):
+    """Same contract as `naive.step_conv` (contiguous conv state, advanced in place): one launch
+    where `tree_conv` and `conv_commit` took two and three small allocations."""
+    B, T, C = x.shape
+    if T != 1:
+        raise ValueError(f"step_conv takes one token per row, got {T}")
+    x = _x_strides(x)
+    y = torch.empty(B, 1, C, dtype=x.dtype, device=x.device)
+    W = weight.shape[1]
+    BC = min(block_c, triton.next_power_of_2(C))
+    _step_conv_kernel[(B, triton.cdiv(C, BC))](x, conv_state, weight.contiguous(), bias if bias is not None else weight,
+                                               y, C, x.stride(0), W=W, WP=triton.next_power_of_2(W), BC=BC,
+                                               HAS_BIAS=bias is not None)
+    return y
+
+
+@triton.jit
 def _gates(av, bv, A_log, dt_bias, hv, NEG: tl.constexpr):
     """Value head hv's log-decay g = −exp(A_log)·softplus(a + dt_bias) and write strength
     β = sigmoid(b) (×2 with negative eigenvalues), elementwise over av, bv."""
