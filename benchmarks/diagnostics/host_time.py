@@ -1,0 +1,168 @@
+"""Where a round's host time goes, per route, on the demo pair: the tree route spends ~1.0 ms of
+host time a round issuing ~0.9 ms of GPU work (rounds_81f2b3f), so running ahead cannot hide
+it, while the chain route issues its round in ~0.5 ms. This finds out what the host does.
+
+For each route: the generations of `bench rounds` (warm-up, then N prompts), with
+- every CUDA graph replay's host time, by graph (target round, drafter rollout per window,
+  drafter extend per width), and each graph's launch cost on an idle GPU;
+- the drafter's cache-room checks that read the device (`kv_room` falling back to a sync);
+- Python's garbage collections (count and time);
+- cProfile of the whole loop: the functions with the most own time, ms a round.
+
+    SPECLA_COMPILE=1 python benchmarks/diagnostics/host_time.py [--routes chain,tree] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import json
+import pstats
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+import specla.api as api
+import specla.drafters.eagle as eagle
+from specla.bench.common import environment, warm_set
+from specla.bench.e2e import _route_kwargs
+from specla.data.suites import load_suite
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--routes", default="chain,tree")
+    ap.add_argument("--n-prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+
+    lm = api.load()
+    prompts = [p.turns[0] for p in load_suite("mixed", limit=a.n_prompts)]
+    warm = warm_set(((len(lm.encode_prompt(p)), p) for p in prompts), a.max_new_tokens)
+
+    replays = defaultdict(list)  # id(graph) -> host seconds per replay
+    orig_replay = torch.cuda.CUDAGraph.replay
+
+    def replay(self):
+        t = time.perf_counter()
+        orig_replay(self)
+        replays[id(self)].append(time.perf_counter() - t)
+
+    syncs = [0, 0]  # room checks, of which read the device
+    orig_room = eagle.kv_room
+
+    def kv_room(capacity, bound, extra, length):
+        syncs[0] += 1
+        syncs[1] += bound + extra > capacity
+        return orig_room(capacity, bound, extra, length)
+
+    gcs = [0, 0.0]
+    gc_t = [0.0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_t[0] = time.perf_counter()
+        else:
+            gcs[0] += 1
+            gcs[1] += time.perf_counter() - gc_t[0]
+
+    rows = []
+    for route in a.routes.split(","):
+        kw = _route_kwargs(route)
+        for text in warm:
+            lm.generate(text, max_new_tokens=a.max_new_tokens, **kw)
+        replays.clear()
+        syncs[:] = [0, 0]
+        gcs[:] = [0, 0.0]
+        torch.cuda.CUDAGraph.replay = replay
+        eagle.kv_room = kv_room
+        gc.callbacks.append(on_gc)
+        prof = cProfile.Profile()
+        rounds = 0
+        wall = 0.0
+        try:
+            for p in prompts:  # the timed pass, without the profiler (it slows Python down)
+                g = lm.generate(p, max_new_tokens=a.max_new_tokens, **kw)
+                rounds += g.rounds
+                wall += g.decode_seconds
+            names = _graph_names(lm)
+            per_graph = {names.get(k, f"graph {k}"): {"replays_per_round": len(v) / rounds,
+                                                      "host_us_median": 1e6 * statistics.median(v),
+                                                      "host_us_per_round": 1e6 * sum(v) / rounds}
+                         for k, v in replays.items()}
+            room = {"checks_per_round": syncs[0] / rounds, "device_reads_per_round": syncs[1] / rounds}
+            gc_row = {"collections": gcs[0], "ms_per_round": 1e3 * gcs[1] / rounds}
+            prof_rounds = 0
+            prof.enable()
+            for p in prompts[:4]:
+                prof_rounds += lm.generate(p, max_new_tokens=a.max_new_tokens, **kw).rounds
+            prof.disable()
+        finally:
+            torch.cuda.CUDAGraph.replay = orig_replay
+            eagle.kv_room = orig_room
+            gc.callbacks.remove(on_gc)
+        idle = _idle_launch(lm)
+        st = pstats.Stats(prof)
+        top = sorted(((v[2], k) for k, v in st.stats.items()), reverse=True)[:30]
+        row = {"route": route, "rounds": rounds, "round_ms": 1e3 * wall / rounds, "graphs": per_graph,
+               "idle_launch_us": idle, "room": room, "gc": gc_row,
+               "cprofile_rounds": prof_rounds,
+               "cprofile_top": [{"fn": f"{k[0].split('/')[-1]}:{k[1]}:{k[2]}", "own_ms_per_round": 1e3 * t / prof_rounds,
+                                 "calls_per_round": st.stats[k][1] / prof_rounds} for t, k in top]}
+        rows.append(row)
+        print(f"\n== {route}: {rounds} rounds, {row['round_ms']:.3f} ms a round; room {room}; gc {gc_row}")
+        for name, g in sorted(per_graph.items(), key=lambda kv: -kv[1]["host_us_per_round"]):
+            print(f"  replay {name:40s} {g['replays_per_round']:.2f}/round  median {g['host_us_median']:.1f} us  "
+                  f"{g['host_us_per_round']:.1f} us/round   idle launch {idle.get(name, float('nan')):.1f} us")
+        for t in row["cprofile_top"]:
+            print(f"  {t['own_ms_per_round']:.4f} ms/round  {t['calls_per_round']:6.2f} calls  {t['fn']}")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({**environment(), "rows": rows}, f, indent=1)
+
+
+def _graph_names(lm) -> dict:
+    names = {}
+    for tkey, target in lm._targets.items():
+        for key, (graph, _) in getattr(target, "graphs", {}).items():
+            names[id(graph)] = f"target {key[0]} b{tkey[2]}"
+    for dkey, d in lm._drafters.items():
+        if d is None:
+            continue
+        for W, graph in getattr(d, "_graphs", {}).items():
+            names[id(graph)] = f"{dkey[0]} rollout W{W}"
+        for key, (graph, _) in getattr(d, "_extend_graphs", {}).items():
+            names[id(graph)] = f"{dkey[0]} extend {key}"
+    return names
+
+
+def _idle_launch(lm) -> dict:
+    """Host time of one replay of each graph on an idle GPU (median of 20), by name. The
+    replays leave the caches in whatever state: nothing is generated after."""
+    names = _graph_names(lm)
+    graphs = {}
+    for target in lm._targets.values():
+        graphs.update({id(g): g for g, _ in getattr(target, "graphs", {}).values()})
+    for d in lm._drafters.values():
+        if d is not None:
+            graphs.update({id(g): g for g in getattr(d, "_graphs", {}).values()})
+            graphs.update({id(g): g for g, _ in getattr(d, "_extend_graphs", {}).values()})
+    out = {}
+    for k, g in graphs.items():
+        ts = []
+        for _ in range(20):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            g.replay()
+            ts.append(time.perf_counter() - t)
+        torch.cuda.synchronize()
+        out[names.get(k, str(k))] = 1e6 * statistics.median(ts)
+    return out
+
+
+if __name__ == "__main__":
+    main()
