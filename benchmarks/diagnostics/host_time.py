@@ -4,7 +4,7 @@ it, while the chain route issues its round in ~0.5 ms. This finds out what the h
 
 For each route: the generations of `bench rounds` (warm-up, then N prompts), with
 - every CUDA graph replay's host time, by graph (target round, drafter rollout per window,
-  drafter extend per width), and each graph's launch cost on an idle GPU;
+  drafter extend per width);
 - the drafter's cache-room checks that read the device (`kv_room` falling back to a sync);
 - Python's garbage collections (count and time);
 - cProfile of the whole loop: the functions with the most own time, ms a round.
@@ -105,11 +105,10 @@ def main():
             torch.cuda.CUDAGraph.replay = orig_replay
             eagle.kv_room = orig_room
             gc.callbacks.remove(on_gc)
-        idle = _idle_launch(lm)
         st = pstats.Stats(prof)
         top = sorted(((v[2], k) for k, v in st.stats.items()), reverse=True)[:30]
         row = {"route": route, "rounds": rounds, "round_ms": 1e3 * wall / rounds, "graphs": per_graph,
-               "idle_launch_us": idle, "room": room, "gc": gc_row,
+               "room": room, "gc": gc_row,
                "cprofile_rounds": prof_rounds,
                "cprofile_top": [{"fn": f"{k[0].split('/')[-1]}:{k[1]}:{k[2]}", "own_ms_per_round": 1e3 * t / prof_rounds,
                                  "calls_per_round": st.stats[k][1] / prof_rounds} for t, k in top]}
@@ -117,7 +116,7 @@ def main():
         print(f"\n== {route}: {rounds} rounds, {row['round_ms']:.3f} ms a round; room {room}; gc {gc_row}")
         for name, g in sorted(per_graph.items(), key=lambda kv: -kv[1]["host_us_per_round"]):
             print(f"  replay {name:40s} {g['replays_per_round']:.2f}/round  median {g['host_us_median']:.1f} us  "
-                  f"{g['host_us_per_round']:.1f} us/round   idle launch {idle.get(name, float('nan')):.1f} us")
+                  f"{g['host_us_per_round']:.1f} us/round")
         for t in row["cprofile_top"]:
             print(f"  {t['own_ms_per_round']:.4f} ms/round  {t['calls_per_round']:6.2f} calls  {t['fn']}")
     if a.out:
@@ -138,30 +137,6 @@ def _graph_names(lm) -> dict:
         for key, (graph, _) in getattr(d, "_extend_graphs", {}).items():
             names[id(graph)] = f"{dkey[0]} extend {key}"
     return names
-
-
-def _idle_launch(lm) -> dict:
-    """Host time of one replay of each graph on an idle GPU (median of 20), by name. The
-    replays leave the caches in whatever state: nothing is generated after."""
-    names = _graph_names(lm)
-    graphs = {}
-    for target in lm._targets.values():
-        graphs.update({id(g): g for g, _ in getattr(target, "graphs", {}).values()})
-    for d in lm._drafters.values():
-        if d is not None:
-            graphs.update({id(g): g for g in getattr(d, "_graphs", {}).values()})
-            graphs.update({id(g): g for g, _ in getattr(d, "_extend_graphs", {}).values()})
-    out = {}
-    for k, g in graphs.items():
-        ts = []
-        for _ in range(20):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            g.replay()
-            ts.append(time.perf_counter() - t)
-        torch.cuda.synchronize()
-        out[names.get(k, str(k))] = 1e6 * statistics.median(ts)
-    return out
 
 
 if __name__ == "__main__":
