@@ -1,0 +1,84 @@
+"""Which draft-tree shape pays on the demo pair: trees of other depths, budgets and widths
+against the 8-token chain, timed in one process on the same prompts (the first N of each
+e2e suite), greedy, 128 new tokens, CUDA graphs as `bench e2e` runs them.
+
+A tree round costs ~1.2x a chain round on the GPU (rounds_81f2b3f: 0.90 against 0.73 ms; the
+host issues both well ahead of the GPU, host_time_d18c594) while it accepts only 1.07-1.12x
+as many tokens (e2e_e7ca6a9), so the default tree (top-4, depth 8, 16 nodes) about ties the
+chain. A shallower rollout costs fewer drafter forwards a round, a smaller budget a cheaper
+verify; this measures what each does to tokens a round and ms a token.
+
+    SPECLA_COMPILE=1 python benchmarks/diagnostics/tree_shapes.py [--n-prompts 40] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import specla.api as api
+from specla.bench.common import environment, warm_set
+from specla.bench.e2e import bootstrap_ratio
+from specla.data.suites import load_suite
+
+SHAPES = {  # name -> generate() options
+    "ar": dict(route="ar"),
+    "chain8": dict(route="chain", chain_length=8),
+    "tree-k4-d8-n16": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16),
+    "tree-k4-d6-n16": dict(route="tree", tree_topk=4, tree_depth=6, tree_budget=16),
+    "tree-k4-d7-n16": dict(route="tree", tree_topk=4, tree_depth=7, tree_budget=16),
+    "tree-k4-d10-n16": dict(route="tree", tree_topk=4, tree_depth=10, tree_budget=16),
+    "tree-k4-d8-n12": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=12),
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n-prompts", type=int, default=40, help="first N prompts of each suite")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+
+    lm = api.load()
+    prompts = [(s, i, p.turns[0]) for s in ("mixed", "gsm8k", "humaneval")
+               for i, p in enumerate(load_suite(s, limit=a.n_prompts))]
+    warm = warm_set(((len(lm.encode_prompt(p)), p) for _, _, p in prompts), a.max_new_tokens)
+    rows, records = [], {}
+    for name in a.shapes.split(","):
+        kw = SHAPES[name]
+        for text in warm:  # compile, capture every attention window's graphs
+            lm.generate(text, max_new_tokens=a.max_new_tokens, **kw)
+        rec = records[name] = {}
+        for s, i, p in prompts:
+            g = lm.generate(p, max_new_tokens=a.max_new_tokens, **kw)
+            rec[s, i] = (g.decode_seconds, len(g.tokens), g.rounds, g.tokens)
+        secs = sum(r[0] for r in rec.values())
+        toks = sum(r[1] for r in rec.values())
+        rounds = sum(r[2] for r in rec.values())
+        row = {"shape": name, **kw, "prompts": len(rec), "ms_per_token": 1e3 * secs / toks,
+               "tokens_per_round": toks / rounds, "ms_per_round": 1e3 * secs / rounds}
+        for ref in ("ar", "chain8"):
+            if ref in records and ref != name:
+                keys = sorted(rec)
+                # speed over ref: ref's time over this shape's, paired by prompt (same tokens emitted)
+                num, den = [records[ref][k][0] for k in keys], [rec[k][0] for k in keys]
+                row[f"over_{ref}"] = sum(num) / sum(den)
+                row[f"over_{ref}_ci"] = bootstrap_ratio(num, den)
+                row[f"equal_{ref}"] = sum(rec[k][3] == records[ref][k][3] for k in keys) / len(keys)
+        rows.append(row)
+        print(json.dumps(row))
+    print(f"\n{'shape':18s} {'ms/tok':>7s} {'tok/round':>9s} {'ms/round':>8s} {'x ar':>6s} {'x chain8':>18s} {'=ar':>5s}")
+    for r in rows:
+        ci = r.get("over_chain8_ci")
+        print(f"{r['shape']:18s} {r['ms_per_token']:7.4f} {r['tokens_per_round']:9.2f} {r['ms_per_round']:8.3f} "
+              f"{r.get('over_ar', 1.0):6.3f} {r.get('over_chain8', float('nan')):6.3f}"
+              f"{f' [{ci[0]:.3f}, {ci[1]:.3f}]' if ci else '':>12s} {r.get('equal_ar', 1.0):5.2f}")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({**environment(), "n_prompts_per_suite": a.n_prompts, "max_new_tokens": a.max_new_tokens,
+                       "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
