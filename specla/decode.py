@@ -258,8 +258,8 @@ class Decoder:
         dev = self.model.device
         r = target.round(draft.tokens.to(dev), draft.parents.to(dev), self.capture,
                          None if draft.valid is None else draft.valid.to(dev), draft.probs, s.temperature, s.top_p,
-                         gen, self.delayed, self.drafter.chain)
-        self.drafter.extend(r.path_tokens, r.hidden, r.count)
+                         gen, self.delayed, self.drafter.chain, draft.static)
+        self.drafter.extend(r.path_tokens, r.hidden, r.count, static=r.static)
         return r.report
 
     def _absorb(self, rows: list[list[int]], emitted, hist, result, on_tokens) -> bool:

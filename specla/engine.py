@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -61,6 +62,9 @@ class Round:
     hidden: dict[int, torch.Tensor]
     count: torch.Tensor
     report: torch.Tensor
+    # a CUDA graph's outputs: the same storage every round, refreshed in place, so a graphed
+    # drafter's `extend` may read them where they are (`Drafter.extend`)
+    static: bool = False
 
 
 def settle(tokens, parents, valid, logits, hidden, acc, emitted, done, room, eos, next_root):
@@ -153,10 +157,11 @@ class EagerTarget:
             self.eos[:len(eos)].copy_(torch.tensor(sorted(eos), device=self.eos.device))
 
     def round(self, tokens, parents, capture=(), valid=None, probs=None, temperature=0.0, top_p=1.0,
-              generator=None, delayed=True, chain=False):
+              generator=None, delayed=True, chain=False, static=False):
         """One speculative round from `next_root`'s draft: verify, accept (greedy, or lossless
         sampling with the draft's `probs`), settle what is emitted and commit exactly that.
-        `chain`: the drafter only proposes chains (padding keeps them chains)."""
+        `chain`: the drafter only proposes chains (padding keeps them chains). `static`: the
+        draft is a graph's outputs (`Draft.static`; only `GraphTarget` reads them in place)."""
         if self.width is not None:
             n = tokens.shape[1]
             tokens, parents, valid = pad_draft(tokens, parents, valid, self.width)
@@ -367,21 +372,30 @@ class GraphTarget(EagerTarget):
         self.cache.clean = self.cache.clean and not self.delayed
 
     def round(self, tokens, parents, capture=(), valid=None, probs=None, temperature=0.0, top_p=1.0,
-              generator=None, delayed=True, chain=False):
+              generator=None, delayed=True, chain=False, static=False):
         """Greedy: the whole round in one graph (verify, accept, settle, commit the emitted
-        tokens). Sampling: eagerly, through the same buffers."""
+        tokens). Sampling: eagerly, through the same buffers. A `static` draft of the full
+        budget (a drafter graph's outputs) is read where it is, by a graph of its own: staging
+        it cost four copies a round (the drafter's rollout graph is replayed per attention
+        window, each with its own outputs, so one round graph per window)."""
         if temperature != 0:
             return super().round(tokens, parents, capture, valid, probs, temperature, top_p, generator, delayed,
                                  chain)
-        self._stage(tokens, parents, valid)
-        key = ("round", tuple(capture), chain)
+        if static and valid is not None and tokens.shape == self.tokens.shape:
+            src = (tokens, parents, valid)
+            key = ("round", tuple(capture), chain, *(t.data_ptr() for t in src))
+        else:
+            self._stage(tokens, parents, valid)
+            src = (self.tokens, self.parents, self.valid)
+            key = ("round", tuple(capture), chain)
 
         def run():
-            out = self._model_verify(self.tokens, self.parents, capture, chain, self.valid)
-            acc = self._accept(self.tokens, self.parents, out.logits, self.valid)
-            settled = self._settle(self.tokens, self.parents, self.valid, out.logits, out.hidden, acc)
+            tok, par, val = src
+            out = self._model_verify(tok, par, capture, chain, val)
+            acc = self._accept(tok, par, out.logits, val)
+            settled = self._settle(tok, par, val, out.logits, out.hidden, acc)
             self.cache.commit(out.records, acc.path, settled.count, self.delayed, chain)
-            return settled
+            return dataclasses.replace(settled, static=True)
 
         graph, outs = self.graphs.get(key) or self._capture(key, run)
         self._replay_commit(graph)

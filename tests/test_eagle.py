@@ -475,6 +475,44 @@ def test_graphed_drafting_equals_eager(monkeypatch, route):
                                            (graphed.depth + 1, False)}
 
 
+@pytest.mark.parametrize("route", ["chain", "tree"])
+def test_graphed_round_reads_the_draft_and_the_path_in_place(monkeypatch, route):
+    """On a graphed target (emulated) a graphed drafter's draft goes to the target's round
+    graph and the round's accepted path to the drafter's extend graph without copies: each
+    graph reads the other's outputs where they are. No draft is staged into the target's
+    buffers, and the tokens, rounds, drafter length, pending feature and cache equal the eager
+    pair's, over two generations that reuse both (the extend graph's capture restores the
+    drafter's state it advanced)."""
+    from specla import engine
+
+    emulate_graphs(monkeypatch)
+    staged = []
+    real_stage = engine.GraphTarget._stage
+    monkeypatch.setattr(engine.GraphTarget, "_stage", lambda self, *a: staged.append(1) or real_stage(self, *a))
+    cfg = tiny_config(1)
+    model = random_model(cfg, 1)
+    dm = random_drafter(cfg, 1)
+    eager = EagleDrafter(dm, model, initial_capacity=64, **ROUTES[route])
+    graphed = EagleDrafter(dm, model, initial_capacity=64, **ROUTES[route])
+    graphed.graphs = True  # emulated on CPU
+    targets: dict = {}
+    for seed in (1, 2):
+        prompt = torch.tensor([make_prompt(cfg, seed, 10)])
+        ar = Decoder(model).run(prompt, 30)[0]
+        a = Decoder(model, eager, route).run(prompt, 30)
+        b = Decoder(model, graphed, route, graphs=True, targets=targets).run(prompt, 30)
+        assert a[0] == b[0] == ar
+        assert [r.accepted for r in a[1].rounds] == [r.accepted for r in b[1].rounds]
+        assert torch.equal(eager.len, graphed.len)
+        torch.testing.assert_close(eager.pending, graphed.pending, rtol=0, atol=1e-12)
+        n = int(eager.len.max())
+        torch.testing.assert_close(eager.k[:, :, :n], graphed.k[:, :, :n], rtol=0, atol=1e-12)
+    assert staged == []
+    assert any(k[0] == "in place" for k in graphed._extend_graphs)
+    (target,) = targets.values()
+    assert any(len(k) > 3 for k in target.graphs if k[0] == "round")  # the draft's graph, read in place
+
+
 def test_attention_window_holds_the_committed_entries_and_the_rollout():
     for capacity, bound, extra, horizon in itertools.product((16, 300, 4096), (0, 5, 120, 290), (0, 10, 33),
                                                              (None, 50, 4000)):

@@ -25,6 +25,8 @@ def _assign(dst, src):
     elif isinstance(dst, dict):
         for k in dst:
             _assign(dst[k], src[k])
+    elif isinstance(dst, bool):  # a flag (`Round.static`): the same every replay
+        assert dst == src
     elif dst is not None:
         for k, v in vars(dst).items():
             _assign(v, getattr(src, k))

@@ -25,6 +25,9 @@ class Draft:
     # Real nodes per row ([B]; None: all n). Rows are padded to a common n; padded nodes are
     # verified but never accepted.
     valid: torch.Tensor | None = None
+    # the tensors are a CUDA graph's outputs: the same storage every round, refreshed in place,
+    # so the target's round graph may read them where they are (`GraphTarget.round`)
+    static: bool = False
 
     @property
     def size(self) -> int:
@@ -62,8 +65,11 @@ class Drafter:
         plus new tokens; None: unknown), so a drafter's attention may span only that much of
         its cache (`attention_window`)."""
 
-    def extend(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], length: torch.Tensor) -> None:
-        """The target consumed tokens[b, :length[b]] and produced these features for them."""
+    def extend(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], length: torch.Tensor,
+               static: bool = False) -> None:
+        """The target consumed tokens[b, :length[b]] and produced these features for them.
+        static: the tensors are a CUDA graph's outputs (`engine.Round.static`), refreshed in
+        place every round: a graphed drafter may read them there instead of copying them."""
 
     def propose(self, ctx: DraftContext) -> Draft:
         raise NotImplementedError

@@ -376,7 +376,8 @@ class DSparkDrafter(Drafter):
             self._graphs, self._extend_graphs = {}, {}  # captured graphs hold the old buffers
 
     @torch.no_grad()
-    def extend(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], length: torch.Tensor) -> None:
+    def extend(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], length: torch.Tensor,
+               static: bool = False) -> None:
         """One context entry per consumed token (entries past length[b] land past the new length,
         where later writes replace them). With graphs, a round's accepted path (its width fixed
         by the target's node budget) replays a graph per width: eagerly its ~75 small kernels

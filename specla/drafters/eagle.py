@@ -351,7 +351,8 @@ class EagleDrafter(Drafter):
 
     # Drafter API ------------------------------------------------------------------------------
     @torch.no_grad()
-    def extend(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], length: torch.Tensor) -> None:
+    def extend(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], length: torch.Tensor,
+               static: bool = False) -> None:
         if self.graphs and not self._drafting:
             return self._extend_prompt(tokens, hidden, length)
         if self._drafting and tokens.shape[1] > self.depth + 1:
@@ -364,7 +365,7 @@ class EagleDrafter(Drafter):
             self._reserve(n)  # host-side: may grow the cache (and drop the graphs over it)
         # a round's accepted path replays a graph per width
         if self.graphs and self.started and n > 0:
-            self._extend_replay(tokens, hidden, length)
+            self._extend_replay(tokens, hidden, length, static=static)
         else:
             self._extend(tokens, hidden, length, not self.started)
         self._bound += max(n, 0)
@@ -407,12 +408,16 @@ class EagleDrafter(Drafter):
         self.pending.copy_(last if first else torch.where((length > 0)[:, None], last, self.pending))
 
     def _extend_replay(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], length: torch.Tensor,
-                       width: int | None = None, first: bool = False) -> None:
+                       width: int | None = None, first: bool = False, static: bool = False) -> None:
         """`_extend` from a CUDA graph over static copies of its inputs, one graph per width and
         `first`: a round's (depth + 1, the longest accepted path) or the prompt chunks' (`width`,
         which a narrower last chunk fills from the front; the rest is stale and past `length`),
         the prompt's first chunk a graph of its own (its first token's feature only becomes
-        pending: eager, that was ~20 kernel launches a prompt)."""
+        pending: eager, that was ~20 kernel launches a prompt). `static` inputs (the target's
+        round graph's outputs, `engine.Round.static`) are read where they are, by a graph of
+        their own: copying them was five launches a round."""
+        if static:
+            return self._extend_in_place(tokens, hidden, length)
         B, n = tokens.shape
         key = (width or n, first)
         if key not in self._extend_graphs:
@@ -431,6 +436,23 @@ class EagleDrafter(Drafter):
         st_len.copy_(length)
         graph.replay()
 
+    def _extend_in_place(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], length: torch.Tensor) -> None:
+        """`_extend_replay` of a round over inputs that are another graph's outputs: a graph
+        that reads them where they are, keyed by where that is. Its warm-up and capture run
+        `_extend` on the live inputs, so the drafter's length and pending feature are restored
+        after (the cache entries they wrote lie past the committed length: scratch)."""
+        ins = (tokens, *(hidden[i] for i in self.capture), length)
+        key = ("in place", *((t.data_ptr(), t.shape, t.stride()) for t in ins))
+        entry = self._extend_graphs.get(key)
+        if entry is None:
+            saved = self.len.clone(), self.pending.clone()
+            guard = self._graph_fns()[2]
+            graph = graphs.capture(lambda: self._graph_fns()[1](tokens, hidden, length, False), guard())
+            self.len.copy_(saved[0])
+            self.pending.copy_(saved[1])
+            entry = self._extend_graphs[key] = (graph, ins)  # the inputs stay alive: their storage is not reused
+        entry[0].replay()
+
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> Draft:
         dev = self.target.device
@@ -444,9 +466,9 @@ class EagleDrafter(Drafter):
         # before the verify
         if self.graphs:
             tokens, parents, valid = self._replay(root)
-        else:
-            W = self._window()
-            tokens, parents, valid = self.draft(root, self.k[:, :, :W], self.v[:, :, :W])
+            return Draft(tokens, parents, valid=valid, static=True)
+        W = self._window()
+        tokens, parents, valid = self.draft(root, self.k[:, :, :W], self.v[:, :, :W])
         return Draft(tokens, parents, valid=valid)
 
     def draft(self, root: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, graphed: bool = False):

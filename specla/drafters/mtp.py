@@ -126,7 +126,8 @@ class MTPDrafter(Drafter):
 
     # Drafter API ---------------------------------------------------------------------------
     @torch.no_grad()
-    def extend(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], length: torch.Tensor) -> None:
+    def extend(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], length: torch.Tensor,
+               static: bool = False) -> None:
         h = self.target.norm(hidden[self.capture[0]])  # the LM head's input, [B, n, D]
         if self.pending is None:  # the first consumed token has no hidden before it
             ent_tok, ent_hid, count = tokens[:, 1:], h[:, :-1], (length - 1).clamp(min=0)
