@@ -9,6 +9,9 @@ chain. A shallower rollout costs fewer drafter forwards a round, a smaller budge
 verify; this measures what each does to tokens a round and ms a token.
 
     SPECLA_COMPILE=1 python benchmarks/diagnostics/tree_shapes.py [--n-prompts 40] [--out FILE]
+    python benchmarks/diagnostics/tree_shapes.py --replot FILE.json   # the PNG of a run again
+
+With --out, the PNG beside the JSON: each shape's speed over AR against its tokens a round.
 """
 
 from __future__ import annotations
@@ -38,7 +41,10 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--replot", default=None, help="draw the PNG of an earlier run's JSON and stop")
     a = ap.parse_args()
+    if a.replot:
+        return plot(json.load(open(a.replot))["rows"], a.replot.removesuffix(".json") + ".png")
 
     lm = api.load()
     prompts = [(s, i, p.turns[0]) for s in ("mixed", "gsm8k", "humaneval")
@@ -78,6 +84,30 @@ def main():
         with open(a.out, "w") as f:
             json.dump({**environment(), "n_prompts_per_suite": a.n_prompts, "max_new_tokens": a.max_new_tokens,
                        "rows": rows}, f, indent=1)
+        plot(rows, a.out.removesuffix(".json") + ".png")
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for r in rows:
+        if "over_ar" not in r:
+            continue  # AR itself: the reference
+        ci = r["over_ar_ci"]
+        ax.errorbar(r["tokens_per_round"], r["over_ar"], yerr=[[r["over_ar"] - ci[0]], [ci[1] - r["over_ar"]]],
+                    fmt="o", capsize=3, label=f"{r['shape']}: {r['ms_per_round']:.3f} ms a round")
+    ax.set_xlabel("tokens a round (τ)")
+    ax.set_ylabel("speed over AR (95% interval)")
+    ax.legend(fontsize=8)
+    ax.set_title("Draft shapes on the demo pair (same prompts, one run)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
