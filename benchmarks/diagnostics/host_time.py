@@ -1,6 +1,8 @@
-"""Where a round's host time goes, per route, on the demo pair: the tree route spends ~1.0 ms of
-host time a round issuing ~0.9 ms of GPU work (rounds_81f2b3f), so running ahead cannot hide
-it, while the chain route issues its round in ~0.5 ms. This finds out what the host does.
+"""Where a round's host time goes, per route, on the demo pair. `bench rounds` at 81f2b3f put
+~1.0 ms of host time in a tree round's phases against ~0.9 ms of GPU work (the chain: ~0.5
+against 0.73), which would make trees host-bound; this measures what the host does.
+host_time_d18c594.json: each replay costs 9-15 us of host time, and both routes wait on the GPU
+for a good part of every round (BENCHMARKS.md).
 
 For each route: the generations of `bench rounds` (warm-up, then N prompts), with
 - every CUDA graph replay's host time, by graph (target round, drafter rollout per window,
