@@ -1,8 +1,9 @@
 """GraphTarget's static-buffer logic (padding, snapshots, pending buffers) on CPU.
 
 CUDA graphs need a GPU; here each 'replay' reruns the captured function into the same output
-objects, which is what a graph replay does to its static outputs. Everything else —
-the static inputs, the padded topology, the in-place state — is the real code path.
+objects, which is what a graph replay does to its static outputs (`graph_emulation`).
+Everything else — the static inputs, the padded topology, the in-place state — is the real
+code path.
 """
 
 import pytest
@@ -14,44 +15,12 @@ from specla.drafters.ngram import NgramDrafter
 
 from conftest import random_model, tiny_config
 from drafters import OracleTreeDrafter
-
-
-def _assign(dst, src):
-    if isinstance(dst, torch.Tensor):
-        dst.copy_(src)
-    elif isinstance(dst, (tuple, list)):
-        for a, b in zip(dst, src):
-            _assign(a, b)
-    elif isinstance(dst, dict):
-        for k in dst:
-            _assign(dst[k], src[k])
-    elif isinstance(dst, bool):  # a flag (`Round.static`): the same every replay
-        assert dst == src
-    elif dst is not None:
-        for k, v in vars(dst).items():
-            _assign(v, getattr(src, k))
-
-
-class _Replay:
-    def __init__(self, fn, out):
-        self.fn, self.out = fn, out
-
-    def replay(self):
-        _assign(self.out, self.fn())
-
-
-def _capture(self, key, fn):
-    saved = self._snapshot()
-    out = fn()
-    for t, copy in saved:
-        t.copy_(copy)
-    self.graphs[key] = (_Replay(fn, out), out)
-    return self.graphs[key]
+from graph_emulation import emulate_graphs
 
 
 @pytest.fixture
 def emulated_graphs(monkeypatch):
-    monkeypatch.setattr(engine.GraphTarget, "_capture", _capture)
+    emulate_graphs(monkeypatch)
 
 
 @pytest.mark.parametrize("delayed", [True, False])
