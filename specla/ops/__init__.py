@@ -306,19 +306,18 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     shares) go to F.linear. The fused path's `gemv="invariant"` (docs/exact.md): an AR step
     then computes a position as a verify does whatever cuBLAS would pick. A custom op, so that
     a compiled region keeps it one opaque call."""
+    from specla.ops.linear import triton as linear_triton
+
     K = x.shape[-1]
-    rows = x.numel() // max(K, 1)
-    if rows > linear_ref.INVARIANT_MAX_ROWS:
+    if x.numel() // max(K, 1) > linear_triton.SKINNY_MAX_ROWS:
         return torch.nn.functional.linear(x, weight)
     if not use_triton(x) or x.dtype == torch.float64 or K < 16:
         return linear_ref.rowwise(x, weight)
-    from specla.ops.linear import triton as linear_triton
-
     _, tiling = LINEAR_TILINGS.get(("skinny", *weight.shape), SKINNY_TILING)
     if tiling is None:  # cuBLAS measured fastest for this shape: the default tiling then
         tiling = SKINNY_TILING[1]
     tiling = {k: v for k, v in tiling.items() if k != "block_m"}  # one row block for every row count
-    return linear_triton.skinny(x, weight, block_m=linear_ref.INVARIANT_MAX_ROWS, **tiling)
+    return linear_triton.skinny(x, weight, block_m=linear_triton.SKINNY_MAX_ROWS, **tiling)
 
 
 # `SPECLA_FP32_LINEAR=rows`: fp32 products of 2-32 rows by specla's multiply-add kernel

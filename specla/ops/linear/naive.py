@@ -22,15 +22,10 @@ def skinny(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _rows_times(x, weight)
 
 
-INVARIANT_MAX_ROWS = 32  # rows `ops.invariant_linear` computes row-invariantly (SKINNY_MAX_ROWS)
-
-
 def rowwise(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`skinny`, one row at a time: each row's product is the same one-row call whatever the
     other rows are (a BLAS picks its kernel by the row count), so a row's bits do not depend on
     how many rows came with it."""
-    K = x.shape[-1]
-    rows = x.reshape(-1, K)
-    out = torch.cat([_rows_times(rows[i:i + 1], weight) for i in range(rows.shape[0])]) if rows.shape[0] else \
-        _rows_times(rows, weight)
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.cat([_rows_times(r[None], weight) for r in rows] or [_rows_times(rows, weight)])
     return out.reshape(*x.shape[:-1], weight.shape[0])
