@@ -32,6 +32,7 @@ from test_exactness import assert_same_state, make_prompt
 
 NEW = 64
 ROUTES = {"chain": dict(topk=1, depth=5), "tree": dict(topk=3, depth=4, budget=8, tau=4.0)}
+NARROW_TREE = dict(topk=3, depth=4, budget=8, tau=4.0, width=1)  # a chain with each depth's runners-up
 
 
 def random_drafter(cfg: ModelConfig, seed: int, dtype=torch.float64) -> EagleDrafterModel:
@@ -48,7 +49,7 @@ def test_eagle_routes_equal_ar(seed):
     dm = random_drafter(cfg, seed)
     prompt = make_prompt(cfg, seed, 6 + seed % 5)
     ar_rows, _, ar_cache = Decoder(model).run(torch.tensor([prompt]), NEW)
-    for route, opts in ROUTES.items():
+    for route, opts in [*ROUTES.items(), ("tree", NARROW_TREE)]:
         for delayed in (True, False):
             rows, res, cache = Decoder(model, EagleDrafter(dm, model, **opts), route, delayed=delayed).run(
                 torch.tensor([prompt]), NEW)
@@ -138,8 +139,8 @@ def _fake_scorer(vocab: int, seed: int):
     return step, logp_of
 
 
-def _brute_rollout(logp_of, vocab, topk, depth):
-    """Beam top-k over explicit paths: {path: q} of every proposed node."""
+def _brute_rollout(logp_of, vocab, topk, depth, width):
+    """Beam top-k over explicit paths, `width` beams a depth: {path: q} of every proposed node."""
     q, beams, pool = {(): 0.0}, [()], {}
     for _ in range(depth):
         props = []
@@ -149,7 +150,7 @@ def _brute_rollout(logp_of, vocab, topk, depth):
                 q[b + (tok,)] = q[b] + lp[tok]
                 props.append(b + (tok,))
         pool.update((p, q[p]) for p in props)
-        beams = sorted(props, key=lambda p: -q[p])[:topk]
+        beams = sorted(props, key=lambda p: -q[p])[:width]
     return pool
 
 
@@ -160,21 +161,31 @@ def _paths(tokens, parents):
     return out
 
 
-shapes = st.sampled_from([(1, 1), (1, 4), (2, 1), (2, 2), (2, 3), (3, 1), (3, 2)])
+shapes = st.sampled_from([(1, 1), (1, 4), (2, 1), (2, 2), (2, 3), (3, 1), (3, 2)])  # (topk, depth)
+
+
+def _with_width(shape):
+    """(topk, depth, width): width 1 or the top-k."""
+    topk, depth = shape
+    return st.sampled_from(sorted({1, topk})).map(lambda w: (topk, depth, w))
+
+
+shapes = shapes.flatmap(_with_width)
 
 
 @settings(max_examples=60, deadline=None)
 @given(shape=shapes, vocab=st.integers(3, 6), seed=st.integers(0, 10**6), budget=st.integers(1, 12),
        tau=st.one_of(st.none(), st.floats(0, 8)))
 def test_tree_construction(shape, vocab, seed, budget, tau):
-    topk, depth = shape
+    topk, depth, width = shape
     step, logp_of = _fake_scorer(vocab, seed)
-    tok, par, score = (t[0].tolist() for t in tree.beam_search(step, torch.tensor([0]), topk, depth, tau))
+    tok, par, score = (t[0].tolist() for t in tree.beam_search(step, torch.tensor([0]), topk, depth, tau,
+                                                               width=width))
     pool = dict(zip(_paths(tok, par), score))
     best = max(score)
     inside = lambda s: tau is None or s >= best - tau  # noqa: E731
     # the rollout equals explicit enumeration (the window of it, with tau: the rollout stops early)
-    brute = _brute_rollout(logp_of, vocab, topk, depth)
+    brute = _brute_rollout(logp_of, vocab, topk, depth, width)
     # (the rollout subtracts each row's log-sum-exp, ~1e-16 here: the scorer's rows are
     # normalised; so each side takes the window from its own best score, with that slack)
     got, want = ({p: s for p, s in d.items() if tau is None or s >= max(d.values()) - tau - 1e-12}
@@ -419,12 +430,12 @@ def test_sampling_is_lossless():
 def test_build_batch_equals_build(shape, vocab, seeds, budget, tau):
     """The on-device select + pack of a batch equals `build` + `pad_drafts` row by row (ties
     included: the fake scorer's log-probabilities are coarse)."""
-    topk, depth = shape
+    topk, depth, width = shape
     pools = []
     for seed in seeds:
         step, _ = _fake_scorer(vocab, seed)
         coarse = lambda d, t, src, _s=step: (_s(d, t, src) * 2).round() / 2  # noqa: E731  (ties)
-        pools.append(tree.beam_search(coarse, torch.tensor([0]), topk, depth))  # full rollout, as graphs run it
+        pools.append(tree.beam_search(coarse, torch.tensor([0]), topk, depth, width=width))  # full, as graphs run it
     tok, par, score = (torch.cat([p[i] for p in pools]) for i in range(3))
     root = torch.arange(7, 7 + len(seeds))
     out_tok, out_par, valid = tree.build_batch(root, tok, par, score, budget, tau, max_depth=depth)
@@ -438,7 +449,7 @@ def test_build_batch_equals_build(shape, vocab, seeds, budget, tau):
         assert out_tok[b].tolist() == pad.tokens[0].tolist() and out_par[b].tolist() == pad.parents[0].tolist()
 
 
-@pytest.mark.parametrize("route", ["chain", "tree"])
+@pytest.mark.parametrize("route", ["chain", "tree", "narrow tree"])
 def test_graphed_drafting_equals_eager(monkeypatch, route):
     """The drafter's graphed rollout and extend (emulated on CPU) draft and track what the eager
     drafter does, across cache growth and generations reusing the drafter: the same tokens,
@@ -448,8 +459,10 @@ def test_graphed_drafting_equals_eager(monkeypatch, route):
     cfg = tiny_config(1)
     model = random_model(cfg, 1)
     dm = random_drafter(cfg, 1)
-    eager = EagleDrafter(dm, model, initial_capacity=16, **ROUTES[route])
-    graphed = EagleDrafter(dm, model, initial_capacity=16, **ROUTES[route])
+    opts = NARROW_TREE if route == "narrow tree" else ROUTES[route]
+    route = route.split()[-1]
+    eager = EagleDrafter(dm, model, initial_capacity=16, **opts)
+    graphed = EagleDrafter(dm, model, initial_capacity=16, **opts)
     graphed.graphs = True  # CUDA graphs in name; the emulation above runs them on CPU
     for seed in (1, 2):  # the second generation reuses the drafter (cache emptied in place)
         prompt = torch.tensor([make_prompt(cfg, seed, 10)])

@@ -6,7 +6,10 @@ A tree round costs ~1.2x a chain round on the GPU (rounds_81f2b3f: 0.90 against 
 host issues both well ahead of the GPU, host_time_d18c594) while it accepts only 1.07-1.12x
 as many tokens (e2e_e7ca6a9), so the default tree (top-4, depth 8, 16 nodes) about ties the
 chain. A shallower rollout costs fewer drafter forwards a round, a smaller budget a cheaper
-verify; this measures what each does to tokens a round and ms a token.
+verify; this measures what each does to tokens a round and ms a token. A narrow tree (width
+1: one beam a depth, its runners-up as leaves) drafts with a chain's forwards. With --profile,
+one more generation per shape (the first prompt) runs under torch.profiler: kernels and GPU
+busy time a round, the top kernels.
 
     SPECLA_COMPILE=1 python benchmarks/diagnostics/tree_shapes.py [--n-prompts 40] [--out FILE]
     python benchmarks/diagnostics/tree_shapes.py --replot FILE.json   # the PNG of a run again
@@ -20,6 +23,7 @@ import argparse
 import json
 
 import specla.api as api
+from specla import ops
 from specla.bench.common import environment, warm_set
 from specla.bench.e2e import bootstrap_ratio
 from specla.data.suites import load_suite
@@ -32,6 +36,14 @@ SHAPES = {  # name -> generate() options
     "tree-k4-d7-n16": dict(route="tree", tree_topk=4, tree_depth=7, tree_budget=16),
     "tree-k4-d10-n16": dict(route="tree", tree_topk=4, tree_depth=10, tree_budget=16),
     "tree-k4-d8-n12": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=12),
+    "tree-k4-w1-d8-n16": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, tree_width=1),
+    "tree-k4-w1-d8-n12": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=12, tree_width=1),
+    "tree-k4-w1-d10-n16": dict(route="tree", tree_topk=4, tree_depth=10, tree_budget=16, tree_width=1),
+    "tree-k4-w2-d8-n16": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, tree_width=2),
+    "tree-k3-w1-d8-n16": dict(route="tree", tree_topk=3, tree_depth=8, tree_budget=16, tree_width=1),
+    # the depth step traced (SPECLA_BEAM_EXPAND=torch) instead of the two-launch op
+    "tree-k4-w1-d8-n16-traced": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, tree_width=1,
+                                     beam_expand="torch"),
 }
 
 
@@ -41,6 +53,7 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", action="store_true", help="profile one more generation per shape")
     ap.add_argument("--replot", default=None, help="draw the PNG of an earlier run's JSON and stop")
     a = ap.parse_args()
     if a.replot:
@@ -52,7 +65,9 @@ def main():
     warm = warm_set(((len(lm.encode_prompt(p)), p) for _, _, p in prompts), a.max_new_tokens)
     rows, records = [], {}
     for name in a.shapes.split(","):
-        kw = SHAPES[name]
+        kw = dict(SHAPES[name])
+        ops.BEAM_EXPAND = kw.pop("beam_expand", "auto")  # read when the rollout is traced
+        lm._drafters.clear()  # a fresh drafter per shape: the same options may trace another step
         for text in warm:  # compile, capture every attention window's graphs
             lm.generate(text, max_new_tokens=a.max_new_tokens, **kw)
         rec = records[name] = {}
@@ -72,8 +87,10 @@ def main():
                 row[f"over_{ref}"] = sum(num) / sum(den)
                 row[f"over_{ref}_ci"] = bootstrap_ratio(num, den)
                 row[f"equal_{ref}"] = sum(rec[k][3] == records[ref][k][3] for k in keys) / len(keys)
+        if a.profile:
+            row["profile"] = profile(lm, prompts[0][2], a.max_new_tokens, kw)
         rows.append(row)
-        print(json.dumps(row))
+        print(json.dumps({k: v for k, v in row.items() if k != "profile"}))
     print(f"\n{'shape':18s} {'ms/tok':>7s} {'tok/round':>9s} {'ms/round':>8s} {'x ar':>6s} {'x chain8':>18s} {'=ar':>5s}")
     for r in rows:
         ci = r.get("over_chain8_ci")
@@ -85,6 +102,22 @@ def main():
             json.dump({**environment(), "n_prompts_per_suite": a.n_prompts, "max_new_tokens": a.max_new_tokens,
                        "rows": rows}, f, indent=1)
         plot(rows, a.out.removesuffix(".json") + ".png")
+
+
+def profile(lm, prompt, max_new_tokens: int, kw: dict) -> dict:
+    """One generation under torch.profiler: kernels and GPU busy time a round, the top kernels."""
+    from specla.bench.decode import _profile_fn
+
+    g = {}
+
+    def once():
+        g["r"] = lm.generate(prompt, max_new_tokens=max_new_tokens, **kw)
+
+    prof = _profile_fn(once, 1, lm.model.device, top=60)
+    n = g["r"].rounds
+    return {"rounds": n, "kernels_per_round": prof["kernels_per_step"] / n,
+            "gpu_busy_ms_per_round": prof["gpu_us_per_step"] / n / 1e3,
+            "top": [dict(t, us_per_round=t["us_per_step"] / n) for t in prof["top"]]}
 
 
 def plot(rows: list[dict], path: str) -> None:

@@ -244,8 +244,9 @@ def load_drafter(path, target: Model | None = None, device="cpu", dtype=torch.fl
 class EagleDrafter(Drafter):
     """Chains (topk 1) or pruned beam trees from an `EagleDrafterModel` over the target's features.
 
-    depth: drafter forwards per round (the deepest draft token); budget: draft nodes submitted
-    (default: everything the rollout proposes); tau: the pruning window on cumulative
+    depth: drafter forwards per round (the deepest draft token); width: beams kept a depth
+    (default topk; 1 is a chain with each depth's runners-up as leaves, at a chain's drafter
+    cost); budget: draft nodes submitted (default: everything the rollout proposes); tau: the pruning window on cumulative
     log-probability (None: none). graphs (CUDA): replay the rollout from a CUDA graph,
     captured at the first round of a generation and again whenever the KV cache grows; it
     runs every depth (no early stop, which would need a host read), the window still applies.
@@ -256,21 +257,25 @@ class EagleDrafter(Drafter):
 
     def __init__(self, model: EagleDrafterModel, target: Model, topk: int = 1, depth: int = 8,
                  budget: int | None = None, tau: float | None = None, graphs: bool = False,
-                 initial_capacity: int = 256, compile: str | None = None):
+                 initial_capacity: int = 256, compile: str | None = None, width: int | None = None):
         if topk < 1 or depth < 1 or (budget is not None and budget < 1):
             raise InputError("drafter top-k, depth and budget must be positive")
+        width = topk if width is None else width
+        if not 1 <= width <= topk:
+            raise InputError(f"the tree width (beams kept a depth) must be between 1 and the top-k {topk}, "
+                             f"got {width}")
         if tau is not None and tau < 0:
             raise InputError(f"the pruning window tau must be >= 0, got {tau}")
         if graphs and target.device.type != "cuda":
             raise InputError("drafter CUDA graphs need a target on a CUDA device")
         model.cfg.check(target.cfg)
         self.model, self.target = model, target
-        self.topk, self.depth, self.tau, self.graphs = topk, depth, tau, graphs
-        pool = topk + (depth - 1) * topk * topk
+        self.topk, self.width, self.depth, self.tau, self.graphs = topk, width, depth, tau, graphs
+        pool = topk + (depth - 1) * width * topk
         self.budget = pool if budget is None else min(budget, pool)
         self.max_nodes = self.budget + 1
         self.chain = topk == 1
-        self.entries = 1 + (depth - 1) * topk  # drafter queries per rollout: the root, then k per depth
+        self.entries = 1 + (depth - 1) * width  # drafter queries per rollout: the root, then w per depth
         self.capture = tuple(model.cfg.feature_layers)
         self.initial_capacity = initial_capacity
         # graphed rollout and extend compiled with this mode (specla.fused); None: the target
@@ -496,7 +501,7 @@ class EagleDrafter(Drafter):
         after the committed length, where the next `extend` overwrites them; the mask lets each
         see the committed entries and its own path.
         """
-        m, tgt, k, E = self.model, self.target, self.topk, self.entries
+        m, tgt, w, E = self.model, self.target, self.width, self.entries
         B, dev = root.shape[0], root.device
         rel = torch.arange(keys.shape[2], device=dev)[None] - self.len[:, None]  # slot - first draft slot
         committed = rel < 0
@@ -508,9 +513,9 @@ class EagleDrafter(Drafter):
         def step(d, tokens, src):
             nonlocal h
             n = tokens.shape[1]
-            start = 0 if d == 0 else 1 + (d - 1) * k
+            start = 0 if d == 0 else 1 + (d - 1) * w
             # each beam's parent entry; at d = 0 the root's own, still empty row: it sees itself only
-            parent = src if d <= 1 else src + 1 + (d - 2) * k
+            parent = src if d <= 1 else src + 1 + (d - 2) * w
             rows = tree.entry_ancestors(anc, parent, start)
             anc[:, start:start + n] = rows
             x = m.inputs(tgt.embeddings(tokens), h.gather(1, src[..., None].expand(-1, -1, h.shape[-1])))
@@ -520,7 +525,7 @@ class EagleDrafter(Drafter):
             h = m.finish(x, m.attend(q, keys, values, committed[:, None] | (in_draft[:, None] & sees)), self._gate_up)
             return tgt.lm_head(m.norm(h))  # the expand normalises the k tokens it keeps
 
-        return tree.beam_search(step, root, k, self.depth, tau, scored)
+        return tree.beam_search(step, root, self.topk, self.depth, tau, scored, w)
 
     def _replay(self, root: torch.Tensor):
         """`draft` from a CUDA graph over static buffers (root, len, pending, cache), one graph

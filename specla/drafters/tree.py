@@ -1,8 +1,10 @@
 """Draft trees: beam top-k rollout, confidence pruning, packing (SpecLA §6.1, Fig. 8).
 
-A rollout proposes nodes depth by depth. Depth 1: the root's top-k tokens, which are also
-the first beams. Each later depth: every beam proposes its top-k children, all k·k of them
-join the *pool*, and the k best by cumulative log-probability become the next beams. Every
+A rollout proposes nodes depth by depth. Depth 1: the root's top-k tokens, the best w of
+which are the first beams (w, the beam width, is k unless asked: w <= k). Each later depth:
+every beam proposes its top-k children, all w·k of them join the *pool*, and the w best by
+cumulative log-probability become the next beams. Width 1 is a chain that also offers each
+depth's runners-up as leaves: a chain's drafter forwards buy a tree of alternatives. Every
 pool node v carries
 
     q(v) = Σ_{i ≤ depth(v)} log p_draft(t_i | prefix, t_<i)
@@ -63,7 +65,7 @@ def top1(beam_scores: torch.Tensor, logits: torch.Tensor):
 
 
 def beam_search(step, root: torch.Tensor, topk: int, depth: int, tau: float | None = None,
-                scored: bool = True):
+                scored: bool = True, width: int | None = None):
     """The rollout: the pool's tokens, parents (-1 = the root) and scores, [B, P] each.
 
     step(d, tokens, src) -> logits [B, n, V] scores the n beams of depth d (d = 0: the root
@@ -71,9 +73,11 @@ def beam_search(step, root: torch.Tensor, topk: int, depth: int, tau: float | No
     (0 at d = 1; zeros at d = 0). With tau, the rollout stops once every beam is outside the
     window: scores never increase along a path, so nothing deeper could enter it (one host
     read per depth). Without tau there is no host synchronisation: it can be graph-captured.
-    scored=False (top-1 without tau): the scores stay 0 (`top1`).
+    scored=False (top-1 without tau): the scores stay 0 (`top1`). width: beams kept a depth
+    (default topk).
     """
     B, dev = root.shape[0], root.device
+    width = topk if width is None else width
     beam_tok, src = root[:, None], torch.zeros(B, 1, dtype=torch.long, device=dev)
     beam_pool = torch.full((B, 1), -1, dtype=torch.long, device=dev)  # the root is no pool node
     beam_score, best, size, pool = None, None, 0, []
@@ -87,6 +91,7 @@ def beam_search(step, root: torch.Tensor, topk: int, depth: int, tau: float | No
         pool.append((tok, beam_pool[:, :, None].expand(-1, -1, topk).flatten(1), score))
         if best is None:
             best = score[:, 0]  # q*: the best first token; no deeper score exceeds it
+        nxt = nxt[:, :width]
         src = nxt // topk
         beam_pool = size + nxt
         size += tok.shape[1]
