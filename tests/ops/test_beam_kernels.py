@@ -26,12 +26,14 @@ def test_top_k_is_topk_with_lowest_ids_first_on_ties(B, nb, V, k, seed):
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
-@given(B=st.integers(1, 2), nb=st.integers(1, 5), V=st.sampled_from([4, 17, 1024, 1500, 2049]), k=st.integers(1, 4),
+@given(B=st.integers(1, 2), nb=st.integers(1, 5), V=st.sampled_from([4, 17, 1024, 1500, 2049, beam_triton.ROW_MAX + 3]),
+       k=st.integers(1, 4),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), tied_beams=st.booleans(), seed=st.integers(0, 2**16))
 def test_beam_expand_kernels_match_reference(B, nb, V, k, dtype, tied_beams, seed):
     """Tokens and beams equal, scores to float32 rounding; ties inside a row (equal logits,
     lowest id first) and across beams (equal rows and scores, earlier child first) included.
-    Vocabularies over one chunk (1024) merge candidates from several chunks."""
+    Vocabularies over one chunk (1024) merge candidates from several chunks; one beam over at
+    most ROW_MAX logits takes the one-launch row kernel, over more the chunks."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(B, nb, V, generator=g) * 3
     x[..., V // 2] = x[..., V // 3] = x.amax(-1) + 1  # a tie at the top of every row

@@ -1,4 +1,4 @@
-"""Triton `beam_expand` (same contract as `naive.py`): one rollout depth in two launches.
+"""Triton `beam_expand` (same contract as `naive.py`): one rollout depth in one or two launches.
 
 Inductor made one depth's log-softmax, the per-beam top-k (k max-reductions with a scatter
 between them) and the top-k of the children into a dozen or more kernels. Here:
@@ -7,6 +7,9 @@ between them) and the top-k of the children into a dozen or more kernels. Here:
 2. `_merge_kernel`, one program per batch row: each beam's log-sum-exp from its chunks, its k
    best tokens from the chunks' candidates (every id sits in one chunk, so no candidate
    repeats), the children's scores, and the k best children.
+A single beam (the root's depth, and every depth of a width-1 tree) over a vocabulary of at
+most ROW_MAX takes one launch, `_row_kernel`: one program per batch row holds the whole row,
+and its children are the next beams in their own order (scores fall with the logits).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import triton
 import triton.language as tl
 
 CHUNK = 1024
+ROW_MAX = 16384  # one program holds a row of up to this many logits (64 KiB of fp32 registers)
 BIG = tl.constexpr(2 ** 31 - 1)  # an index past any vocabulary (a jitted global must be a constexpr)
 
 
@@ -75,11 +79,38 @@ def _merge_kernel(cand_v, cand_i, cmax, csum, beam_scores, tok, scores, beams, n
         child = tl.where(flat == f, float("-inf"), child)
 
 
+@triton.jit
+def _row_kernel(x, beam_scores, tok, scores, beams, V, s_row, K: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    live = offs < V
+    xv = tl.load(x + b.to(tl.int64) * s_row + offs, mask=live, other=float("-inf")).to(tl.float32)
+    m = tl.max(xv, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    lse = m_safe + tl.log(tl.sum(tl.where(live, tl.exp(xv - m_safe), 0.0), 0))
+    bs = tl.load(beam_scores + b).to(tl.float32)
+    for j in tl.static_range(K):
+        v = tl.max(xv, 0)
+        i = tl.min(tl.where(live & (xv == v), offs, BIG), 0)
+        tl.store(tok + b * K + j, i)
+        tl.store(scores + b * K + j, bs + (v - lse))
+        tl.store(beams + b * K + j, j)
+        xv = tl.where(offs == i, float("-inf"), xv)
+
+
 def beam_expand(logits: torch.Tensor, beam_scores: torch.Tensor, topk: int):
     """Same contract as `naive.beam_expand` (float32 or lower-precision logits; V >= topk)."""
     B, nb, V = logits.shape
     dev = logits.device
     x = logits.contiguous()
+    if nb == 1 and V <= ROW_MAX:
+        tok = torch.empty(B, topk, dtype=torch.long, device=dev)
+        scores = torch.empty(B, topk, dtype=torch.float32, device=dev)
+        beams = torch.empty(B, topk, dtype=torch.long, device=dev)
+        BLOCK = triton.next_power_of_2(V)
+        _row_kernel[(B,)](x, beam_scores.float().contiguous(), tok, scores, beams, V, V, K=topk, BLOCK=BLOCK,
+                          num_warps=max(4, min(16, BLOCK // 1024)))
+        return tok, scores, beams
     BLOCK = min(CHUNK, triton.next_power_of_2(V))
     NC = triton.cdiv(V, BLOCK)
     cand_v = torch.empty(B * nb, NC, topk, dtype=torch.float32, device=dev)
