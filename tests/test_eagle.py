@@ -439,6 +439,13 @@ def test_build_batch_equals_build(shape, vocab, seeds, budget, tau):
     tok, par, score = (torch.cat([p[i] for p in pools]) for i in range(3))
     root = torch.arange(7, 7 + len(seeds))
     out_tok, out_par, valid = tree.build_batch(root, tok, par, score, budget, tau, max_depth=depth)
+    # the pool's fixed layout gives the same depths as its parents
+    assert torch.equal(tree.pool_depths(tok.shape[1], topk, width, tok.device).expand_as(par),
+                       topology.depths(torch.cat([torch.full((len(seeds), 1), -1), par + 1], 1))[:, 1:])
+    for got, want in zip(tree.build_batch(root, tok, par, score, budget, tau,
+                                          depth=tree.pool_depths(tok.shape[1], topk, width, tok.device)),
+                         (out_tok, out_par, valid)):
+        assert torch.equal(got, want)
     M = min(budget, tok.shape[1])
     assert out_tok.shape == out_par.shape == (len(seeds), M + 1)
     for b in range(len(seeds)):

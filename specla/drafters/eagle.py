@@ -487,7 +487,8 @@ class EagleDrafter(Drafter):
             valid = torch.full((B,), D + 1, dtype=torch.long, device=root.device)
             return torch.cat([root[:, None], tokens], 1), parents, valid
         pool = self.rollout(root, keys, values, None if graphed else self.tau)
-        return tree.build_batch(root, *pool, self.budget, self.tau, max_depth=self.depth)
+        depth = tree.pool_depths(pool[0].shape[1], self.topk, self.width, root.device)
+        return tree.build_batch(root, *pool, self.budget, self.tau, depth=depth)
 
     @torch.no_grad()
     def rollout(self, root: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tau: float | None = None,

@@ -91,11 +91,18 @@ def beam_search(step, root: torch.Tensor, topk: int, depth: int, tau: float | No
         pool.append((tok, beam_pool[:, :, None].expand(-1, -1, topk).flatten(1), score))
         if best is None:
             best = score[:, 0]  # q*: the best first token; no deeper score exceeds it
-        nxt = nxt[:, :width]
-        src = nxt // topk
-        beam_pool = size + nxt
+        if width == 1:
+            # one beam, and its best child is its first (children come best first): constant
+            # indices, which a compiled rollout folds into plain slices, as a chain's
+            src = torch.zeros(B, 1, dtype=torch.long, device=dev)
+            beam_pool = torch.full((B, 1), size, dtype=torch.long, device=dev)
+            beam_tok, beam_score = tok[:, :1], score[:, :1]
+        else:
+            nxt = nxt[:, :width]
+            src = nxt // topk
+            beam_pool = size + nxt
+            beam_tok, beam_score = tok.gather(1, nxt), score.gather(1, nxt)
         size += tok.shape[1]
-        beam_tok, beam_score = tok.gather(1, nxt), score.gather(1, nxt)
     return tuple(torch.cat(parts, 1) for parts in zip(*pool))
 
 
@@ -194,12 +201,22 @@ def _invert(perm: torch.Tensor, width: int | None = None) -> torch.Tensor:
     return ((perm[:, None, :] == slots[None, :, None]) * torch.arange(1, n + 1, device=perm.device)).sum(2)
 
 
+def pool_depths(P: int, topk: int, width: int, device) -> torch.Tensor:
+    """[1, P]: the depth of each node of a `beam_search` pool (or of a prefix of it): k nodes at
+    depth 1, then w·k a depth. The layout is fixed, so nothing has to be found from parents."""
+    starts = topk + width * topk * torch.arange(P, device=device)  # first node of depth 2, 3, ...
+    # counted, not divided: a floor division in a dynamic-shape compile failed Inductor (torch 2.13)
+    return 1 + (torch.arange(P, device=device)[:, None] >= starts[None]).sum(1)[None]
+
+
 def build_batch(root: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor,
-                budget: int, tau: float | None = None, max_depth: int | None = None):
+                budget: int, tau: float | None = None, max_depth: int | None = None,
+                depth: torch.Tensor | None = None):
     """`build` for every row of a `beam_search` pool, on the device: (tokens, parents, valid),
     [B, M + 1] with M = min(budget, P) and valid[b] = 1 + the nodes row b keeps. Rows that keep
     fewer than M nodes are padded as `pad_drafts` pads: a chain under their last node repeating
-    its token, ignored by acceptance past `valid`. max_depth: the rollout's depth (default P).
+    its token, ignored by acceptance past `valid`. depth: each node's depth ([B or 1, P];
+    `pool_depths`), else found from the parents in max_depth steps (default P).
 
     Scores never increase along a rollout path, so ranking the window by (-q, depth, pool order)
     lists every node after its ancestors: its first min(budget, |window|) nodes are what
@@ -208,9 +225,11 @@ def build_batch(root: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
     B, P = scores.shape
     dev = scores.device
     M = min(budget, P)
-    depth = torch.ones(B, P, dtype=torch.long, device=dev)
-    for _ in range((max_depth or P) - 1):  # parents[i] < i: depth d is right after d - 1 rounds
-        depth = torch.where(parents < 0, 1, depth.gather(1, parents.clamp(min=0)) + 1)
+    if depth is None:
+        depth = torch.ones(B, P, dtype=torch.long, device=dev)
+        for _ in range((max_depth or P) - 1):  # parents[i] < i: depth d is right after d - 1 rounds
+            depth = torch.where(parents < 0, 1, depth.gather(1, parents.clamp(min=0)) + 1)
+    depth = depth.expand(B, P)
     inside = torch.ones_like(scores, dtype=torch.bool) if tau is None else \
         scores >= scores.amax(1, keepdim=True) - tau
     count = inside.sum(1).clamp(max=M)  # nodes kept per row

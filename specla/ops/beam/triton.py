@@ -21,6 +21,27 @@ import triton.language as tl
 CHUNK = 1024
 ROW_MAX = 16384  # one program holds a row of up to this many logits (64 KiB of fp32 registers)
 BIG = tl.constexpr(2 ** 31 - 1)  # an index past any vocabulary (a jitted global must be a constexpr)
+NO_KEY = tl.constexpr(-2 ** 63)  # below every key of `_keys`: lanes past the row, and taken ones
+
+
+@triton.jit
+def _keys(xv, offs, live):
+    """int64 keys ordered as (value, then lower index first): the float's bits made
+    order-preserving as a signed int in the high half, the complement of the index in the low
+    half, so one max-reduction finds the best value and its lowest index (two reductions
+    without the packing). -0.0 is made +0.0 first: they tie as floats."""
+    xv = tl.where(xv == 0.0, 0.0, xv)
+    bits = xv.to(tl.int32, bitcast=True)
+    key = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | (0x7FFFFFFF - offs).to(tl.int64)
+    return tl.where(live, key, NO_KEY)
+
+
+@triton.jit
+def _unkey(key):
+    """(value, index) of a key of `_keys`."""
+    sv = (key >> 32).to(tl.int32)
+    v = (sv ^ ((sv >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    return v, 0x7FFFFFFF - (key & 0xFFFFFFFF).to(tl.int32)
 
 
 @triton.jit
@@ -29,17 +50,20 @@ def _chunk_kernel(x, cand_v, cand_i, cmax, csum, V, NC, s_row, K: tl.constexpr, 
     offs = c * BLOCK + tl.arange(0, BLOCK)
     live = offs < V
     xv = tl.load(x + row.to(tl.int64) * s_row + offs, mask=live, other=float("-inf")).to(tl.float32)
-    m = tl.max(xv, 0)
+    key = _keys(xv, offs, live)
+    out = (row * NC + c) * K
+    m = float("-inf")
+    for j in tl.static_range(K):
+        best = tl.max(key, 0)
+        v, i = _unkey(best)
+        if j == 0:
+            m = v  # the chunk's max
+        tl.store(cand_v + out + j, v)
+        tl.store(cand_i + out + j, i)
+        key = tl.where(key == best, NO_KEY, key)
     m_safe = tl.where(m == float("-inf"), 0.0, m)  # a chunk of -inf only: its sum is 0
     tl.store(cmax + row * NC + c, m)
     tl.store(csum + row * NC + c, tl.sum(tl.where(live, tl.exp(xv - m_safe), 0.0), 0))
-    out = (row * NC + c) * K
-    for j in tl.static_range(K):
-        v = tl.max(xv, 0)
-        i = tl.min(tl.where(live & (xv == v), offs, BIG), 0)
-        tl.store(cand_v + out + j, v)
-        tl.store(cand_i + out + j, i)
-        xv = tl.where(offs == i, float("-inf"), xv)
 
 
 @triton.jit
@@ -85,17 +109,19 @@ def _row_kernel(x, beam_scores, tok, scores, beams, V, s_row, K: tl.constexpr, B
     offs = tl.arange(0, BLOCK)
     live = offs < V
     xv = tl.load(x + b.to(tl.int64) * s_row + offs, mask=live, other=float("-inf")).to(tl.float32)
-    m = tl.max(xv, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    lse = m_safe + tl.log(tl.sum(tl.where(live, tl.exp(xv - m_safe), 0.0), 0))
+    key = _keys(xv, offs, live)
     bs = tl.load(beam_scores + b).to(tl.float32)
+    lse = 0.0
     for j in tl.static_range(K):
-        v = tl.max(xv, 0)
-        i = tl.min(tl.where(live & (xv == v), offs, BIG), 0)
+        best = tl.max(key, 0)
+        v, i = _unkey(best)
+        if j == 0:  # v is the row's max
+            m_safe = tl.where(v == float("-inf"), 0.0, v)
+            lse = m_safe + tl.log(tl.sum(tl.where(live, tl.exp(xv - m_safe), 0.0), 0))
         tl.store(tok + b * K + j, i)
         tl.store(scores + b * K + j, bs + (v - lse))
         tl.store(beams + b * K + j, j)
-        xv = tl.where(offs == i, float("-inf"), xv)
+        key = tl.where(key == best, NO_KEY, key)
 
 
 def beam_expand(logits: torch.Tensor, beam_scores: torch.Tensor, topk: int):
