@@ -235,20 +235,22 @@ def test_select_any_scores(data, n, budget, tau):
 
 
 def test_entry_ancestors_is_the_ancestor_mask():
+    """Rows built depth by depth from the previous depth's rows are the ancestor-or-self mask
+    of the entries' tree."""
     g = torch.Generator().manual_seed(0)
     k, depth, B = 3, 4, 2
     E = 1 + (depth - 1) * k
     anc = torch.zeros(B, E, E, dtype=torch.bool)
     parents = torch.full((B, E), -1)
-    parent = torch.zeros(B, 1, dtype=torch.long)
-    start = 0
+    src, rows, start, prev_start = torch.zeros(B, 1, dtype=torch.long), None, 0, 0
     for d in range(depth):
-        n = parent.shape[1]
-        anc[:, start:start + n] = tree.entry_ancestors(anc, parent, start)
-        if d:
-            parents[:, start:start + n] = parent
-        nxt = torch.randint(0, n, (B, k), generator=g)
-        parent, start = start + nxt, start + n
+        n = src.shape[1]
+        rows = tree.entry_ancestors(rows, src, start, E)
+        anc[:, start:start + n] = rows
+        if d:  # new entry i extends the previous depth's entry src[:, i]
+            parents[:, start:start + n] = prev_start + src
+        src = torch.randint(0, n, (B, k), generator=g)
+        prev_start, start = start, start + n
     assert torch.equal(anc, topology.ancestor_mask(parents))
 
 

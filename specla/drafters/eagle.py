@@ -508,17 +508,14 @@ class EagleDrafter(Drafter):
         committed = rel < 0
         in_draft = (rel >= 0) & (rel < E)
         entry_of_slot = rel.clamp(0, E - 1)
-        anc = torch.zeros(B, E, E, dtype=torch.bool, device=dev)
         h = self.pending[:, None]  # the feature each beam's parent hands on (the root's: the target's)
+        rows = None  # the previous depth's entries' ancestor-or-self rows
 
         def step(d, tokens, src):
-            nonlocal h
+            nonlocal h, rows
             n = tokens.shape[1]
             start = 0 if d == 0 else 1 + (d - 1) * w
-            # each beam's parent entry; at d = 0 the root's own, still empty row: it sees itself only
-            parent = src if d <= 1 else src + 1 + (d - 2) * w
-            rows = tree.entry_ancestors(anc, parent, start)
-            anc[:, start:start + n] = rows
+            rows = tree.entry_ancestors(None if d == 0 else rows, src, start, E)
             x = m.inputs(tgt.embeddings(tokens), h.gather(1, src[..., None].expand(-1, -1, h.shape[-1])))
             q, kk, v = m.qkv(x, (self.len + d)[:, None].expand(B, n))
             self._store(keys, values, self.len[:, None] + start + torch.arange(n, device=dev), kk, v)

@@ -106,18 +106,23 @@ def beam_search(step, root: torch.Tensor, topk: int, depth: int, tau: float | No
     return tuple(torch.cat(parts, 1) for parts in zip(*pool))
 
 
-def entry_ancestors(anc: torch.Tensor, parent: torch.Tensor, start: int) -> torch.Tensor:
-    """Ancestor-or-self rows of m new drafter entries start .. start+m-1.
+def entry_ancestors(prev: torch.Tensor | None, src: torch.Tensor, start: int, entries: int) -> torch.Tensor:
+    """Ancestor-or-self rows [B, m, E] of m new drafter entries start .. start+m-1.
 
-    anc [B, E, E] holds the rows of the entries so far (an entry is the drafter's query for
-    one expanded node; E counts every slot of the rollout); parent [B, m] is the entry of each
-    new entry's parent. A new entry sees its parent's ancestors and itself, so one forward
-    over all beams of a depth attends exactly along each beam's own path.
+    An entry is the drafter's query for one expanded node; E (`entries`) counts every entry of
+    the rollout. prev [B, m', E] holds the rows of the previous depth's entries (None at the
+    root, which sees itself only), and new entry i extends prev's entry src[:, i]. A new entry
+    sees its parent's ancestors and itself, so one forward over all beams of a depth attends
+    exactly along each beam's own path. Built as values from the previous depth's rows, not
+    written into a buffer of all rows: a compiled rollout then forms them inside the kernel
+    that builds the attention mask (a buffer's slice write was a kernel of its own each depth).
     """
-    B, m = parent.shape
-    rows = anc.gather(1, parent[:, :, None].expand(B, m, anc.shape[2])).clone()
-    rows[:, :, start:start + m] |= torch.eye(m, dtype=torch.bool, device=anc.device)
-    return rows
+    B, m = src.shape
+    own = torch.arange(entries, device=src.device)[None, None] == \
+        (start + torch.arange(m, device=src.device))[None, :, None]
+    if prev is None:
+        return own.expand(B, m, entries)
+    return prev.gather(1, src[:, :, None].expand(B, m, entries)) | own
 
 
 def depths(parents: list[int]) -> list[int]:
