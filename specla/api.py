@@ -144,10 +144,11 @@ class SpecLA:
     # drafters -------------------------------------------------------------------------------
     def drafter(self, route: str, chain_length: int = 8, tree_topk: int = 4, tree_budget: int = 16,
                 tree_depth: int = 8, tree_tau: float | None = None, drafter: str = "auto",
-                tree_width: int | None = None) -> Drafter | None:
+                tree_width: int | None = None, tree_temperature: float | None = None) -> Drafter | None:
         """The drafter serving a route: the checkpoint's trained EAGLE drafter (`<model>/drafter/`)
         when there is one and `drafter` is not "ngram", else prompt lookup. tree_width: the trained
-        drafter's beams kept a depth (default tree_topk)."""
+        drafter's beams kept a depth (default tree_topk); tree_temperature: of its distribution in
+        the tree scores (default `eagle.TREE_TEMPERATURE`)."""
         if route not in ROUTES:
             raise InputError(f"unknown route {route!r}; choose one of {', '.join(ROUTES)}")
         if drafter not in DRAFTERS:
@@ -167,7 +168,8 @@ class SpecLA:
                 if route in ("chain", "fla"):
                     return EagleDrafter(self._eagle, self.model, topk=1, depth=chain_length, graphs=graphs)
                 return EagleDrafter(self._eagle, self.model, topk=tree_topk, depth=tree_depth, budget=tree_budget,
-                                    tau=tree_tau, graphs=graphs, width=tree_width)
+                                    tau=tree_tau, graphs=graphs, width=tree_width,
+                                    **({} if tree_temperature is None else {"temperature": tree_temperature}))
             if drafter == "eagle":
                 raise InputError(f"{self.model_dir} has no drafter/ directory (train one with `specla train drafter`)")
         if route in ("chain", "fla"):  # fla: the FLA-SD baseline verifies the same chains
@@ -193,12 +195,14 @@ class SpecLA:
                  top_p: float = 1.0, seed: int | None = None, chat: bool | None = None, chain_length: int = 8,
                  tree_topk: int = 4, tree_budget: int = 16, tree_depth: int = 8, tree_tau: float | None = None,
                  drafter: str = "auto", delayed: bool = True, on_text=None, pipeline: bool = True,
-                 exact: bool = False, tree_width: int | None = None) -> Generation:
+                 exact: bool = False, tree_width: int | None = None,
+                 tree_temperature: float | None = None) -> Generation:
         """`exact`: every target call verifies the same number of nodes (`decode.EXACT_WIDTH`;
         AR steps too), so every route's output is bit-identical to exact-mode `ar` in any
         precision, at the cost of a slower AR step (docs/exact.md)."""
         ids = self.encode_prompt(prompt, chat)
-        key = (route, chain_length, tree_topk, tree_budget, tree_depth, tree_tau, drafter, tree_width)
+        key = (route, chain_length, tree_topk, tree_budget, tree_depth, tree_tau, drafter, tree_width,
+               tree_temperature)
         if key not in self._drafters:
             self._drafters[key] = self.drafter(*key)
         decoder = Decoder(self.model, self._drafters[key], route, targets=self._targets,

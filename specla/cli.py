@@ -42,6 +42,9 @@ def generate(
     tree_width: Optional[int] = typer.Option(None, "--tree-width", help="Beams kept a draft-tree depth (trained "
                                              "drafter; default: the top-k). 1: a chain with each depth's "
                                              "runners-up as leaves."),
+    tree_temperature: Optional[float] = typer.Option(None, "--tree-temperature", help="Temperature of the trained "
+                                                     "drafter's distribution in draft-tree scores (default 0.5, "
+                                                     "tuned on held-out prompts; 1 = the plain log-probabilities)."),
     tree_tau: Optional[float] = typer.Option(None, "--tree-tau", help="Confidence pruning: keep nodes within "
                                              "tau nats of the best cumulative log-probability."),
     drafter: str = typer.Option("auto", help="auto (the checkpoint's trained drafter, else ngram) | eagle | ngram"),
@@ -67,8 +70,7 @@ def generate(
     kwargs = dict(route=route, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                   chat=False if raw else None, chain_length=chain_length, tree_topk=tree_topk,
                   tree_budget=tree_budget, tree_depth=tree_depth, tree_tau=tree_tau, tree_width=tree_width,
-                  drafter=drafter,
-                  delayed=not immediate_commit, exact=exact)
+                  tree_temperature=tree_temperature, drafter=drafter, delayed=not immediate_commit, exact=exact)
     if as_json:
         typer.echo(json.dumps(lm.generate(prompt, **kwargs).to_dict()))
         return

@@ -32,7 +32,8 @@ from test_exactness import assert_same_state, make_prompt
 
 NEW = 64
 ROUTES = {"chain": dict(topk=1, depth=5), "tree": dict(topk=3, depth=4, budget=8, tau=4.0)}
-NARROW_TREE = dict(topk=3, depth=4, budget=8, tau=4.0, width=1)  # a chain with each depth's runners-up
+NARROW_TREE = dict(topk=3, depth=4, budget=8, tau=4.0, width=1,  # a chain with each depth's runners-up,
+                   temperature=1.0)  # scored by the plain log-probabilities
 
 
 def random_drafter(cfg: ModelConfig, seed: int, dtype=torch.float64) -> EagleDrafterModel:
@@ -98,12 +99,13 @@ def test_unscored_chain_is_the_packed_rollout():
 @pytest.mark.parametrize("route", ["chain", "tree"])
 def test_training_unroll_is_what_drafting_computes(route):
     """Every node of a rollout scores exactly what the training-time test computes for the same
-    path: step k of the anchor before the root, with the path's tokens as inputs."""
+    path: step k of the anchor before the root, with the path's tokens as inputs (scored by
+    the plain log-probabilities: temperature 1)."""
     cfg = tiny_config(2)
     model = random_model(cfg, 2)
     dm = random_drafter(cfg, 2)
     x = torch.tensor([make_prompt(cfg, 2, 7)])
-    drafter = EagleDrafter(dm, model, **{**ROUTES[route], "tau": None})
+    drafter = EagleDrafter(dm, model, **{**ROUTES[route], "tau": None, "temperature": 1.0})
     out = model(x[:, :-1], model.new_cache(1), capture=drafter.capture)
     drafter.extend(x[:, :-1], out.hidden, torch.tensor([x.shape[1] - 1]))
     tok, par, score = (t[0].tolist() for t in drafter.rollout(x[:, -1], drafter.k, drafter.v))
@@ -175,17 +177,18 @@ shapes = shapes.flatmap(_with_width)
 
 @settings(max_examples=60, deadline=None)
 @given(shape=shapes, vocab=st.integers(3, 6), seed=st.integers(0, 10**6), budget=st.integers(1, 12),
-       tau=st.one_of(st.none(), st.floats(0, 8)))
-def test_tree_construction(shape, vocab, seed, budget, tau):
+       tau=st.one_of(st.none(), st.floats(0, 8)), scale=st.sampled_from([1.0, 2.0, 0.7]))
+def test_tree_construction(shape, vocab, seed, budget, tau, scale):
+    """scale: the scores are those of the tempered distribution, log-softmax(scale · logits)."""
     topk, depth, width = shape
     step, logp_of = _fake_scorer(vocab, seed)
     tok, par, score = (t[0].tolist() for t in tree.beam_search(step, torch.tensor([0]), topk, depth, tau,
-                                                               width=width))
+                                                               width=width, scale=scale))
     pool = dict(zip(_paths(tok, par), score))
     best = max(score)
     inside = lambda s: tau is None or s >= best - tau  # noqa: E731
     # the rollout equals explicit enumeration (the window of it, with tau: the rollout stops early)
-    brute = _brute_rollout(logp_of, vocab, topk, depth, width)
+    brute = _brute_rollout(lambda path: torch.log_softmax(scale * logp_of(path), 0), vocab, topk, depth, width)
     # (the rollout subtracts each row's log-sum-exp, ~1e-16 here: the scorer's rows are
     # normalised; so each side takes the window from its own best score, with that slack)
     got, want = ({p: s for p, s in d.items() if tau is None or s >= max(d.values()) - tau - 1e-12}

@@ -37,7 +37,7 @@ from specla.ops.beam import naive as beam_naive
 from specla.precision import accumulation_dtype
 
 
-def expand(beam_scores: torch.Tensor, logits: torch.Tensor, topk: int):
+def expand(beam_scores: torch.Tensor, logits: torch.Tensor, topk: int, scale: float = 1.0):
     """One depth of the rollout (`ops.beam_expand`).
 
     beam_scores [B, nb] are the beams' q; logits [B, nb, V] the drafter's next-token logits at
@@ -49,11 +49,12 @@ def expand(beam_scores: torch.Tensor, logits: torch.Tensor, topk: int):
     the reference instead of the custom op: at top-1 that is one argmax and a log-sum-exp, which
     Inductor fuses into the step's kernels, and the op's two launches cost more (H200, demo
     pair: chain propose 0.44 ms traced against 0.50 ms with the op; the top-4 tree's 0.60 ms
-    with the op against 0.67 ms traced).
+    with the op against 0.67 ms traced). scale: the drafter's logits are scored times scale
+    (`beam_search`).
     """
     if topk == 1 or ops.BEAM_EXPAND == "torch":
-        return beam_naive.beam_expand(logits, beam_scores, topk)
-    return ops.beam_expand(logits, beam_scores, topk)
+        return beam_naive.beam_expand(logits, beam_scores, topk, scale)
+    return ops.beam_expand(logits, beam_scores, topk, scale)
 
 
 def top1(beam_scores: torch.Tensor, logits: torch.Tensor):
@@ -65,7 +66,7 @@ def top1(beam_scores: torch.Tensor, logits: torch.Tensor):
 
 
 def beam_search(step, root: torch.Tensor, topk: int, depth: int, tau: float | None = None,
-                scored: bool = True, width: int | None = None):
+                scored: bool = True, width: int | None = None, scale: float = 1.0):
     """The rollout: the pool's tokens, parents (-1 = the root) and scores, [B, P] each.
 
     step(d, tokens, src) -> logits [B, n, V] scores the n beams of depth d (d = 0: the root
@@ -74,7 +75,9 @@ def beam_search(step, root: torch.Tensor, topk: int, depth: int, tau: float | No
     window: scores never increase along a path, so nothing deeper could enter it (one host
     read per depth). Without tau there is no host synchronisation: it can be graph-captured.
     scored=False (top-1 without tau): the scores stay 0 (`top1`). width: beams kept a depth
-    (default topk).
+    (default topk). scale: q sums log-softmax(scale · logits), a temperature of 1 / scale on
+    the drafter's distribution; it changes which nodes the budget keeps, not the tokens a
+    beam proposes.
     """
     B, dev = root.shape[0], root.device
     width = topk if width is None else width
@@ -87,7 +90,7 @@ def beam_search(step, root: torch.Tensor, topk: int, depth: int, tau: float | No
         logits = step(d, beam_tok, src)
         if beam_score is None:
             beam_score = logits.new_zeros(B, 1, dtype=accumulation_dtype(logits.dtype))
-        tok, score, nxt = expand(beam_score, logits, topk) if scored else top1(beam_score, logits)
+        tok, score, nxt = expand(beam_score, logits, topk, scale) if scored else top1(beam_score, logits)
         pool.append((tok, beam_pool[:, :, None].expand(-1, -1, topk).flatten(1), score))
         if best is None:
             best = score[:, 0]  # q*: the best first token; no deeper score exceeds it

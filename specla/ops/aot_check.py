@@ -70,6 +70,8 @@ def variants(H=8, HV=8, K=256, V=256):
     yield "ancestor closure", closure._closure_kernel, dict(NP=32, STEPS=4), 4
     yield "beam_expand chunk", beam._chunk_kernel, dict(K=4, BLOCK=beam.CHUNK), 4
     yield "beam_expand merge", beam._merge_kernel, dict(K=4, KP=4, NB=4, NCP=32, NCK=128), 4
+    for V, warps in ((8192, 8), (beam.ROW_MAX, 16)):  # one beam's whole row: the demo's and the largest vocabulary
+        yield f"beam_expand row V={V}", beam._row_kernel, dict(K=4, BLOCK=V), warps
     # a draft step's attention at the demo drafter's heads (64 dims) and the 1.3B stand-in's (128)
     for D in (64, 128):
         BW = attention.block_slots(D)

@@ -28,8 +28,9 @@ def test_top_k_is_topk_with_lowest_ids_first_on_ties(B, nb, V, k, seed):
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(B=st.integers(1, 2), nb=st.integers(1, 5), V=st.sampled_from([4, 17, 1024, 1500, 2049, beam_triton.ROW_MAX + 3]),
        k=st.integers(1, 4),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]), tied_beams=st.booleans(), seed=st.integers(0, 2**16))
-def test_beam_expand_kernels_match_reference(B, nb, V, k, dtype, tied_beams, seed):
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), tied_beams=st.booleans(), seed=st.integers(0, 2**16),
+       scale=st.sampled_from([1.0, 2.0, 0.37]))
+def test_beam_expand_kernels_match_reference(B, nb, V, k, dtype, tied_beams, seed, scale):
     """Tokens and beams equal, scores to float32 rounding; ties inside a row (equal logits,
     lowest id first) and across beams (equal rows and scores, earlier child first) included.
     Vocabularies over one chunk (1024) merge candidates from several chunks; one beam over at
@@ -42,8 +43,8 @@ def test_beam_expand_kernels_match_reference(B, nb, V, k, dtype, tied_beams, see
         x[:, 1:] = x[:, :1]
         scores[:, 1:] = scores[:, :1]
     x = x.to(dtype)
-    tok, sc, beams = beam_triton.beam_expand(x, scores, k)
-    rtok, rsc, rbeams = beam_naive.beam_expand(x, scores, k)
+    tok, sc, beams = beam_triton.beam_expand(x, scores, k, scale)
+    rtok, rsc, rbeams = beam_naive.beam_expand(x, scores, k, scale)
     assert tok.shape == rtok.shape == (B, nb * k) and beams.shape == rbeams.shape == (B, k)
     assert torch.equal(tok, rtok) and torch.equal(beams, rbeams)
     assert sc.dtype == rsc.dtype == torch.float32
@@ -62,6 +63,11 @@ def test_beam_expand_reference_is_the_log_softmax_rollout_step():
     torch.testing.assert_close(sc, (s[..., None] + lp.gather(-1, tok.view(2, 3, 4))).flatten(1), rtol=0, atol=1e-12)
     assert torch.equal(tok.view(2, 3, 4), lp.topk(4, -1).indices)
     assert torch.equal(beams, sc.topk(4, -1).indices)
+    # scale: the scores of the tempered distribution, the same tokens
+    tok2, sc2, _ = ops.beam_expand(x, s, 4, 0.5)
+    assert torch.equal(tok2, tok)
+    torch.testing.assert_close(sc2, (s[..., None] + torch.log_softmax(0.5 * x, -1).gather(-1, tok.view(2, 3, 4))).flatten(1),
+                               rtol=0, atol=1e-12)
 
 
 def test_expand_switch_traces_the_reference(monkeypatch):
@@ -87,6 +93,7 @@ def test_beam_expand_custom_op_traces():
     g = torch.Generator().manual_seed(2)
     x, s = torch.randn(1, 4, 40, generator=g), torch.randn(1, 4, generator=g)
     torch.library.opcheck(ops.beam_expand, (x, s, 3))
+    torch.library.opcheck(ops.beam_expand, (x, s, 3, 0.5))
     compiled = torch.compile(lambda a, b: ops.beam_expand(a, b, 3), backend="aot_eager", fullgraph=True)
     for got, want in zip(compiled(x, s), ops.beam_expand(x, s, 3)):
         assert torch.equal(got, want)

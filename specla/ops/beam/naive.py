@@ -27,8 +27,9 @@ def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack(vals, -1), torch.stack(idx, -1)
 
 
-def beam_expand(logits: torch.Tensor, beam_scores: torch.Tensor, topk: int):
+def beam_expand(logits: torch.Tensor, beam_scores: torch.Tensor, topk: int, scale: float = 1.0):
     """logits [B, nb, V] at each beam, beam_scores [B, nb] the beams' cumulative log-probability.
+    scale (> 0): the logits are taken times scale, a softmax temperature of 1 / scale.
 
     Returns the children, child j of beam i at i·topk + j: tokens [B, nb·topk] (each beam's
     top-k by logit, best first, lower id first among equal logits), their scores [B, nb·topk]
@@ -37,7 +38,7 @@ def beam_expand(logits: torch.Tensor, beam_scores: torch.Tensor, topk: int):
     Computed in `accumulation_dtype`.
     """
     acc = accumulation_dtype(logits.dtype)
-    x = logits.to(acc)
+    x = logits.to(acc) * scale
     val, tok = top_k(x, topk)
     lp = val - torch.logsumexp(x, -1, keepdim=True)
     scores = (beam_scores.to(acc)[..., None] + lp).flatten(1)

@@ -10,6 +10,8 @@ between them) and the top-k of the children into a dozen or more kernels. Here:
 A single beam (the root's depth, and every depth of a width-1 tree) over a vocabulary of at
 most ROW_MAX takes one launch, `_row_kernel`: one program per batch row holds the whole row,
 and its children are the next beams in their own order (scores fall with the logits).
+The chunks find each pick's value and lowest index in one reduction over packed keys
+(`_keys`; H200: 2.5 → 2.3 µs a chunk launch); the row kernel keeps two reductions a pick.
 """
 
 from __future__ import annotations
@@ -45,25 +47,23 @@ def _unkey(key):
 
 
 @triton.jit
-def _chunk_kernel(x, cand_v, cand_i, cmax, csum, V, NC, s_row, K: tl.constexpr, BLOCK: tl.constexpr):
+def _chunk_kernel(x, cand_v, cand_i, cmax, csum, V, NC, s_row, scale, K: tl.constexpr, BLOCK: tl.constexpr):
     row, c = tl.program_id(0), tl.program_id(1)
     offs = c * BLOCK + tl.arange(0, BLOCK)
     live = offs < V
-    xv = tl.load(x + row.to(tl.int64) * s_row + offs, mask=live, other=float("-inf")).to(tl.float32)
-    key = _keys(xv, offs, live)
-    out = (row * NC + c) * K
-    m = float("-inf")
-    for j in tl.static_range(K):
-        best = tl.max(key, 0)
-        v, i = _unkey(best)
-        if j == 0:
-            m = v  # the chunk's max
-        tl.store(cand_v + out + j, v)
-        tl.store(cand_i + out + j, i)
-        key = tl.where(key == best, NO_KEY, key)
+    xv = tl.load(x + row.to(tl.int64) * s_row + offs, mask=live, other=float("-inf")).to(tl.float32) * scale
+    m = tl.max(xv, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)  # a chunk of -inf only: its sum is 0
     tl.store(cmax + row * NC + c, m)
     tl.store(csum + row * NC + c, tl.sum(tl.where(live, tl.exp(xv - m_safe), 0.0), 0))
+    key = _keys(xv, offs, live)
+    out = (row * NC + c) * K
+    for j in tl.static_range(K):
+        best = tl.max(key, 0)
+        v, i = _unkey(best)
+        tl.store(cand_v + out + j, v)
+        tl.store(cand_i + out + j, i)
+        key = tl.where(key == best, NO_KEY, key)
 
 
 @triton.jit
@@ -104,27 +104,27 @@ def _merge_kernel(cand_v, cand_i, cmax, csum, beam_scores, tok, scores, beams, n
 
 
 @triton.jit
-def _row_kernel(x, beam_scores, tok, scores, beams, V, s_row, K: tl.constexpr, BLOCK: tl.constexpr):
+def _row_kernel(x, beam_scores, tok, scores, beams, V, s_row, scale, K: tl.constexpr, BLOCK: tl.constexpr):
+    # value and lowest index by two float/int reductions, not `_keys`: over a whole row in one
+    # program the int64 reductions cost more (H200: 4.9 against 4.5 µs a call)
     b = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     live = offs < V
-    xv = tl.load(x + b.to(tl.int64) * s_row + offs, mask=live, other=float("-inf")).to(tl.float32)
-    key = _keys(xv, offs, live)
+    xv = tl.load(x + b.to(tl.int64) * s_row + offs, mask=live, other=float("-inf")).to(tl.float32) * scale
+    m = tl.max(xv, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    lse = m_safe + tl.log(tl.sum(tl.where(live, tl.exp(xv - m_safe), 0.0), 0))
     bs = tl.load(beam_scores + b).to(tl.float32)
-    lse = 0.0
     for j in tl.static_range(K):
-        best = tl.max(key, 0)
-        v, i = _unkey(best)
-        if j == 0:  # v is the row's max
-            m_safe = tl.where(v == float("-inf"), 0.0, v)
-            lse = m_safe + tl.log(tl.sum(tl.where(live, tl.exp(xv - m_safe), 0.0), 0))
+        v = tl.max(xv, 0)
+        i = tl.min(tl.where(live & (xv == v), offs, BIG), 0)
         tl.store(tok + b * K + j, i)
         tl.store(scores + b * K + j, bs + (v - lse))
         tl.store(beams + b * K + j, j)
-        key = tl.where(key == best, NO_KEY, key)
+        xv = tl.where(live & (offs == i), float("-inf"), xv)
 
 
-def beam_expand(logits: torch.Tensor, beam_scores: torch.Tensor, topk: int):
+def beam_expand(logits: torch.Tensor, beam_scores: torch.Tensor, topk: int, scale: float = 1.0):
     """Same contract as `naive.beam_expand` (float32 or lower-precision logits; V >= topk)."""
     B, nb, V = logits.shape
     dev = logits.device
@@ -134,7 +134,7 @@ def beam_expand(logits: torch.Tensor, beam_scores: torch.Tensor, topk: int):
         scores = torch.empty(B, topk, dtype=torch.float32, device=dev)
         beams = torch.empty(B, topk, dtype=torch.long, device=dev)
         BLOCK = triton.next_power_of_2(V)
-        _row_kernel[(B,)](x, beam_scores.float().contiguous(), tok, scores, beams, V, V, K=topk, BLOCK=BLOCK,
+        _row_kernel[(B,)](x, beam_scores.float().contiguous(), tok, scores, beams, V, V, scale, K=topk, BLOCK=BLOCK,
                           num_warps=max(4, min(16, BLOCK // 1024)))
         return tok, scores, beams
     BLOCK = min(CHUNK, triton.next_power_of_2(V))
@@ -143,7 +143,7 @@ def beam_expand(logits: torch.Tensor, beam_scores: torch.Tensor, topk: int):
     cand_i = torch.empty(B * nb, NC, topk, dtype=torch.int32, device=dev)
     cmax = torch.empty(B * nb, NC, dtype=torch.float32, device=dev)
     csum = torch.empty_like(cmax)
-    _chunk_kernel[(B * nb, NC)](x, cand_v, cand_i, cmax, csum, V, NC, V, K=topk, BLOCK=BLOCK)
+    _chunk_kernel[(B * nb, NC)](x, cand_v, cand_i, cmax, csum, V, NC, V, scale, K=topk, BLOCK=BLOCK)
     tok = torch.empty(B, nb * topk, dtype=torch.long, device=dev)
     scores = torch.empty(B, nb * topk, dtype=torch.float32, device=dev)
     beams = torch.empty(B, topk, dtype=torch.long, device=dev)

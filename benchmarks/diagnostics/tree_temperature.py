@@ -1,0 +1,56 @@
+"""The tree scores' temperature: tokens a round of the demo pair's tree route at several
+temperatures of the drafter's distribution, on held-out prompts (GSM8K *training* questions,
+which no evaluation suite holds), greedy, 128 new tokens, with the 8-token chain beside them.
+
+A tree keeps the budget's best nodes by q(v), the drafter's cumulative log-probability. The
+temperature only changes that ranking (the beams' tokens stay the top-k): below 1 it ranks the
+likeliest continuation's deeper nodes above unlikely siblings. Tokens a round do not depend on
+the device; this runs wherever the model does (CPU: fp32).
+
+    python benchmarks/diagnostics/tree_temperature.py [--temperatures 0.25,0.5,1,2] [--n-prompts 30] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import specla.api as api
+from specla.bench.common import environment
+from specla.data.suites import load_gsm8k_train
+
+FIRST = 7000  # held-out questions: the last of GSM8K's 7,473 training questions
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--temperatures", default="0.25,0.35,0.5,0.7,1,2")
+    ap.add_argument("--n-prompts", type=int, default=30)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+
+    lm = api.load(device=a.device, dtype=a.dtype)
+    questions = load_gsm8k_train()[FIRST:FIRST + a.n_prompts]
+    prompts = [[{"role": "user", "content": q["question"]}] for q in questions]
+    runs = [("chain", dict(route="chain", chain_length=8))]
+    runs += [(f"tree T={t}", dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, tree_temperature=float(t)))
+             for t in a.temperatures.split(",")]
+    rows = []
+    for name, kw in runs:
+        tokens = rounds = 0
+        for p in prompts:
+            g = lm.generate(p, max_new_tokens=a.max_new_tokens, **kw)
+            tokens, rounds = tokens + len(g.tokens), rounds + g.rounds
+        rows.append({"run": name, **kw, "prompts": len(prompts), "tokens_per_round": tokens / rounds})
+        print(json.dumps(rows[-1]), flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({**environment(), "prompts": f"GSM8K train questions {FIRST}..{FIRST + a.n_prompts - 1}",
+                       "dtype": str(lm.model.dtype).replace("torch.", ""), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
