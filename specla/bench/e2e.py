@@ -2,7 +2,7 @@
 
 Routes: `ar`; `fla` (FLA-SD: the chain drafter verified by fla's own model, token-replay
 commit); `chain` (8-token chains of the trained drafter); `tree` (≤ 16 nodes, top-k 4, the
-trained drafter); `ngram` (prompt lookup, trees); `dspark`, `ready` (7-token blocks of the
+trained drafter, nodes ranked at `eagle.TREE_TEMPERATURE`; runs before 655b94a ranked at 1); `ngram` (prompt lookup, trees); `dspark`, `ready` (7-token blocks of the
 parallel block drafters, docs/ready.md; not run by default). Per suite (`mixed` 480, `gsm8k` 1,319,
 `humaneval` 164) each prompt is generated once per route; the speedup is AR's summed latency
 over the route's summed latency on the same prompts, with a 95% bootstrap interval over
@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from specla import graphs
+from specla.drafters.eagle import TREE_TEMPERATURE
 from specla.bench.common import RESULTS, bootstrap, environment, timed_captures, warm_set, write_results
 
 BASE_ROUTES = ("ar", "fla", "chain", "tree", "ngram", "dspark", "ready")
@@ -44,7 +45,8 @@ def _route_kwargs(route: str) -> dict:
         "ar": dict(route="ar"),
         "fla": dict(route="fla", chain_length=8),
         "chain": dict(route="chain", chain_length=8),
-        "tree": dict(route="tree", tree_topk=4, tree_budget=16, tree_depth=8),
+        # the temperature named, so that a run's route_options say which ranked the nodes
+        "tree": dict(route="tree", tree_topk=4, tree_budget=16, tree_depth=8, tree_temperature=TREE_TEMPERATURE),
         "ngram": dict(route="tree", drafter="ngram", tree_topk=4, tree_budget=16),
         "dspark": dict(route="dspark", chain_length=7),  # block drafters: 7 tokens in one forward (docs/ready.md)
         "ready": dict(route="ready", chain_length=7),
