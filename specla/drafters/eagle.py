@@ -252,8 +252,8 @@ class EagleDrafter(Drafter):
     (default topk; 1 is a chain with each depth's runners-up as leaves, at a chain's drafter
     cost); temperature: of the drafter's distribution in the tree scores q (< 1 ranks the
     likeliest continuation's deeper nodes above unlikely siblings; the beams' tokens do not
-    change); budget: draft nodes submitted (default: everything the rollout proposes); tau: the pruning window on cumulative
-    log-probability (None: none). graphs (CUDA): replay the rollout from a CUDA graph,
+    change); budget: draft nodes submitted (default: everything the rollout proposes); tau:
+    the pruning window on q, in nats of the tempered distribution (None: none). graphs (CUDA): replay the rollout from a CUDA graph,
     captured at the first round of a generation and again whenever the KV cache grows; it
     runs every depth (no early stop, which would need a host read), the window still applies.
     """

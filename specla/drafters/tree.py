@@ -9,8 +9,9 @@ pool node v carries
 
     q(v) = Σ_{i ≤ depth(v)} log p_draft(t_i | prefix, t_<i)
 
-which never increases along a path. Selection keeps the nodes with q(v) ≥ q* − τ, where
-q* = max_v q(v) over the whole pool (the paper's global window; it is the best depth-1
+which never increases along a path (p_draft at a temperature, 1 / `beam_search`'s scale,
+1 being the drafter's own distribution: it changes which nodes are kept, never a beam's
+tokens). Selection keeps the nodes with q(v) ≥ q* − τ, where q* = max_v q(v) over the whole pool (the paper's global window; it is the best depth-1
 score), ranks them by q (shallower first, then pool order, among equal scores) and takes
 them in that order while they fit the node budget T, each with its missing ancestors. With
 monotone scores the ranked window is already ancestor-closed, so the budget simply cuts it;
