@@ -83,6 +83,19 @@ def test_bad_input_one_line_error(model_dir, args, msg):
     assert len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("args,msg", [
+    (["--tree-width", "5"], "tree width (beams kept a depth) must be between 1 and the top-k 4"),
+    (["--tree-temperature", "0"], "tree temperature must be positive"),
+])
+def test_bad_tree_options_one_line_error(args, msg):
+    """Options of the trained drafter's trees (the demo pair ships one) fail with one line."""
+    code, out, err = specla("generate", "--model", str(DEMO_DIR), "--device", "cpu", "--prompt", "hi",
+                            "--route", "tree", "-n", "4", *args)
+    assert code != 0
+    assert msg in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
 def _broken(model_dir, tmp_path, how):
     d = tmp_path / how
     shutil.copytree(model_dir, d)
