@@ -158,7 +158,7 @@ class SpecLA:
         if route == "ar":
             return None
         if route in ("chain", "tree", "fla") and drafter != "ngram":
-            from specla.drafters.eagle import EagleDrafter, find_drafter, load_drafter
+            from specla.drafters.eagle import TREE_TEMPERATURE, EagleDrafter, find_drafter, load_drafter
 
             path = find_drafter(self.model_dir)
             if path is not None:
@@ -169,7 +169,7 @@ class SpecLA:
                     return EagleDrafter(self._eagle, self.model, topk=1, depth=chain_length, graphs=graphs)
                 return EagleDrafter(self._eagle, self.model, topk=tree_topk, depth=tree_depth, budget=tree_budget,
                                     tau=tree_tau, graphs=graphs, width=tree_width,
-                                    **({} if tree_temperature is None else {"temperature": tree_temperature}))
+                                    temperature=TREE_TEMPERATURE if tree_temperature is None else tree_temperature)
             if drafter == "eagle":
                 raise InputError(f"{self.model_dir} has no drafter/ directory (train one with `specla train drafter`)")
         if route in ("chain", "fla"):  # fla: the FLA-SD baseline verifies the same chains

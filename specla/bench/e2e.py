@@ -2,8 +2,9 @@
 
 Routes: `ar`; `fla` (FLA-SD: the chain drafter verified by fla's own model, token-replay
 commit); `chain` (8-token chains of the trained drafter); `tree` (≤ 16 nodes, top-k 4, the
-trained drafter, nodes ranked at `eagle.TREE_TEMPERATURE`; runs before 655b94a ranked at 1); `ngram` (prompt lookup, trees); `dspark`, `ready` (7-token blocks of the
-parallel block drafters, docs/ready.md; not run by default). Per suite (`mixed` 480, `gsm8k` 1,319,
+trained drafter, nodes ranked at `eagle.TREE_TEMPERATURE`; runs before 655b94a ranked at 1);
+`ngram` (prompt lookup, trees); `dspark`, `ready` (7-token blocks of the parallel block
+drafters, docs/ready.md; not run by default). Per suite (`mixed` 480, `gsm8k` 1,319,
 `humaneval` 164) each prompt is generated once per route; the speedup is AR's summed latency
 over the route's summed latency on the same prompts, with a 95% bootstrap interval over
 prompts (and the same without prefill: `decode_speedup`), beside mean accepted length (τ:
@@ -29,8 +30,8 @@ from pathlib import Path
 import torch
 
 from specla import graphs
-from specla.drafters.eagle import TREE_TEMPERATURE
 from specla.bench.common import RESULTS, bootstrap, environment, timed_captures, warm_set, write_results
+from specla.drafters.eagle import TREE_TEMPERATURE
 
 BASE_ROUTES = ("ar", "fla", "chain", "tree", "ngram", "dspark", "ready")
 ROUTES = BASE_ROUTES + tuple(f"{r}+exact" for r in BASE_ROUTES if r != "fla")

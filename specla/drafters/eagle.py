@@ -437,13 +437,13 @@ class EagleDrafter(Drafter):
         key = (width or n, first)
         if key not in self._extend_graphs:
             W = key[0]
-            static = (tokens.new_zeros(B, W), {i: hidden[i].new_zeros(B, W, hidden[i].shape[2]) for i in self.capture},
-                      torch.zeros_like(length))
+            bufs = (tokens.new_zeros(B, W), {i: hidden[i].new_zeros(B, W, hidden[i].shape[2]) for i in self.capture},
+                    torch.zeros_like(length))
             # warm-up and capture with zero lengths: the only writes land past the committed
             # length (cache slots the next extend or rollout overwrites); len keeps, and so
             # does pending, except in a first chunk's, where it holds nothing yet
             guard = self._graph_fns()[2]
-            self._extend_graphs[key] = (graphs.capture(lambda: self._graph_fns()[1](*static, first), guard()), static)
+            self._extend_graphs[key] = (graphs.capture(lambda: self._graph_fns()[1](*bufs, first), guard()), bufs)
         graph, (st_tok, st_hid, st_len) = self._extend_graphs[key]
         st_tok[:, :n].copy_(tokens)
         for i in self.capture:

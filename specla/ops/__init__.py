@@ -374,9 +374,9 @@ def _masked_attention_shape(q, keys, values, mask, scale):
 @torch.library.custom_op("specla::beam_expand", mutates_args=())
 def beam_expand(logits: torch.Tensor, beam_scores: torch.Tensor, topk: int,
                 scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One rollout depth (`ops.beam.naive.beam_expand`): one or two Triton launches where Triton runs
-    (Inductor made a dozen or more kernels of it), the reference elsewhere and for float64. A
-    custom op, so that inside the drafter's compiled rollout it stays one opaque call."""
+    """One rollout depth (`ops.beam.naive.beam_expand`): one or two Triton launches where Triton
+    runs (Inductor made a dozen or more kernels of it), the reference elsewhere and for float64.
+    A custom op, so that inside the drafter's compiled rollout it stays one opaque call."""
     if not use_triton(logits) or logits.dtype == torch.float64:
         return beam_ref.beam_expand(logits, beam_scores, topk, scale)
     from specla.ops.beam import triton as beam_triton

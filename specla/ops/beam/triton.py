@@ -121,7 +121,7 @@ def _row_kernel(x, beam_scores, tok, scores, beams, V, s_row, scale, K: tl.const
         tl.store(tok + b * K + j, i)
         tl.store(scores + b * K + j, bs + (v - lse))
         tl.store(beams + b * K + j, j)
-        xv = tl.where(live & (offs == i), float("-inf"), xv)
+        xv = tl.where(offs == i, float("-inf"), xv)
 
 
 def beam_expand(logits: torch.Tensor, beam_scores: torch.Tensor, topk: int, scale: float = 1.0):
