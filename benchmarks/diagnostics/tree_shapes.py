@@ -38,6 +38,8 @@ SHAPES = {  # name -> generate() options
     "tree-k4-d8-n12": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=12),
     # the tree scores at the plain log-probabilities (the default tempers them: eagle.TREE_TEMPERATURE)
     "tree-k4-d8-n16-t1": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, tree_temperature=1.0),
+    # verified by the serial kernel (AR's arithmetic a node; the dispatch sends 16-node trees to the parallel one)
+    "tree-k4-d8-n16-serial": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, tree_verifier="serial"),
     "tree-k4-d8-n24": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=24),
     "tree-k4-w1-d8-n16": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, tree_width=1),
     "tree-k4-w1-d8-n12": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=12, tree_width=1),
@@ -70,6 +72,10 @@ def main():
     for name in a.shapes.split(","):
         kw = dict(SHAPES[name])
         ops.BEAM_EXPAND = kw.pop("beam_expand", "auto")  # read when the rollout is traced
+        verifier = kw.pop("tree_verifier", "auto")
+        if verifier != ops.TREE_VERIFIER:  # read when the target's round is traced: new round graphs
+            ops.TREE_VERIFIER = verifier
+            lm._targets.clear()
         lm._drafters.clear()  # a fresh drafter per shape: the same options may trace another step
         for text in warm:  # compile, capture every attention window's graphs
             lm.generate(text, max_new_tokens=a.max_new_tokens, **kw)
@@ -80,7 +86,7 @@ def main():
         secs = sum(r[0] for r in rec.values())
         toks = sum(r[1] for r in rec.values())
         rounds = sum(r[2] for r in rec.values())
-        row = {"shape": name, **kw, "prompts": len(rec), "ms_per_token": 1e3 * secs / toks,
+        row = {"shape": name, **kw, "tree_verifier": verifier, "prompts": len(rec), "ms_per_token": 1e3 * secs / toks,
                "tokens_per_round": toks / rounds, "ms_per_round": 1e3 * secs / rounds}
         for ref in ("ar", "chain8"):
             if ref in records and ref != name:
