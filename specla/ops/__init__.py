@@ -6,7 +6,11 @@ float64 states always take the torch references (the exactness tests; Triton run
 
 GDN verification (docs/kernels.md):
 - n = 1 or a chain: the serial verifier (state-resident, nothing materialised);
-- a branching topology: the parallel verifier (UT form with the tree mask, one launch, no
+- a branching topology whose (V-tile, node) programs fit on the GPU at once (PATHS_MAX_PROGRAMS,
+  the demo target's 16-node trees: 272): the path-parallel verifier, a program per root-to-leaf
+  path on the serial kernel's arithmetic (AR's bits; on the H200 it costs about a chain verify
+  of the tree's depth, `paths.py`);
+- a larger branching topology: the parallel verifier (UT form with the tree mask, one launch, no
   per-node pass over the state), for up to PARALLEL_MAX_NODES = 32 nodes (on the H200 it beat
   the serial verifier on 17-node trees, 0.34-0.36 against 0.53-0.57 ms for 24 layers, and lost
   on 33-node ones, 1.18-1.40 against 0.96-1.05 ms; kernels.json, d302d7f);
@@ -19,7 +23,7 @@ layers of a round): free for CPU tensors and n = 1, one host sync on CUDA. Insid
 capture the topology cannot be looked at (the graph must be right for every topology of its
 size); there the size decides: up to CAPTURED_SERIAL_MAX_NODES nodes the serial verifier in tree
 mode (it reads the parents on the device; on the H200 it beat the hybrid on every 16-node beam
-tree of Table 1), beyond that the hybrid. `SPECLA_TREE_VERIFIER=auto|parallel|serial|hybrid`
+tree of Table 1), beyond that the hybrid. `SPECLA_TREE_VERIFIER=auto|paths|parallel|serial|hybrid`
 forces one kernel for branching topologies outside exact mode. The hybrid's schedule="auto"
 variant, which applies the cost model on the device, is for benchmarks: slower in graph replay.
 The kernel modules are imported on first use so that importing specla never compiles or
@@ -62,9 +66,12 @@ TILING = _tiling_from_env()
 
 CAPTURED_SERIAL_MAX_NODES = 24
 PARALLEL_MAX_NODES = 32
+# the path-parallel verifier while its (V-tile, node) programs fit on the GPU at once (paths.py)
+PATHS_MAX_NODES = 64
+PATHS_MAX_PROGRAMS = 512
 TREE_VERIFIER = os.environ.get("SPECLA_TREE_VERIFIER", "auto")
-if TREE_VERIFIER not in ("auto", "parallel", "serial", "hybrid"):
-    raise ValueError(f"SPECLA_TREE_VERIFIER={TREE_VERIFIER!r}: expected auto, parallel, serial or hybrid")
+if TREE_VERIFIER not in ("auto", "paths", "parallel", "serial", "hybrid"):
+    raise ValueError(f"SPECLA_TREE_VERIFIER={TREE_VERIFIER!r}: expected auto, paths, parallel, serial or hybrid")
 # `SPECLA_BEAM_EXPAND=torch`: the rollout's depth step as the plain torch reference, which
 # Inductor fuses as it did before `beam_expand` existed (an A/B switch for benchmarks)
 BEAM_EXPAND = os.environ.get("SPECLA_BEAM_EXPAND", "auto")
@@ -125,7 +132,7 @@ def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, chain
     (`naive.gdn_tree_verify`); the serial and parallel kernels stop there."""
     if not _gdn_triton(state):
         return gdn_ref.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, valid)
-    from specla.ops.gdn import hybrid, parallel, schedule, serial
+    from specla.ops.gdn import hybrid, parallel, paths, schedule, serial
 
     plan = None if chain else schedule.plan_for(parents)
     if chain or plan.is_chain(parents):
@@ -133,8 +140,14 @@ def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, chain
                                       **TILING)
     n = parents.shape[1]
     kind = "auto" if _exact else TREE_VERIFIER
-    if kind == "auto" and not _exact and n <= PARALLEL_MAX_NODES and min(k.shape[3], v.shape[3]) >= 16:
-        kind = "parallel"
+    if kind == "auto" and not _exact:
+        tiles = v.shape[0] * v.shape[2] * -(-v.shape[3] // TILING["block_v"])  # the programs a node
+        if n <= PATHS_MAX_NODES and tiles * n <= PATHS_MAX_PROGRAMS:
+            kind = "paths"
+        elif n <= PARALLEL_MAX_NODES and min(k.shape[3], v.shape[3]) >= 16:
+            kind = "parallel"
+    if kind == "paths":
+        return paths.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, valid, **TILING)
     if kind == "parallel":
         return parallel.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, valid)
     if kind == "auto":

@@ -19,7 +19,7 @@ import tempfile
 
 POINTERS = {
     "parents": "*i64", "chain_nodes": "*i32", "chain_len": "*i32", "light": "*i32", "n_chains": "*i32",
-    "flags": "*i32", "cand_i": "*i32", "tok": "*i64", "beams": "*i64",
+    "flags": "*i32", "counters": "*i32", "cand_i": "*i32", "tok": "*i64", "beams": "*i64",
     "plen": "*i64", "valid": "*i64", "path": "*i64", "length": "*i64",
     "allowed": "*u8", "x": "*bf16", "conv_state": "*bf16", "weight": "*bf16", "y": "*bf16", "a": "*bf16", "bb": "*bf16", "z": "*bf16",
 }
@@ -38,14 +38,15 @@ def variants(H=8, HV=8, K=256, V=256):
     from specla.ops.norm import triton as norm
 
     for BV, warps in ((8, 1), (8, 2), (8, 4), (16, 4), (16, 8), (32, 8)):
-        for tree, hybrid, pending, final in ((False, False, False, False), (False, False, False, True),
-                                             (True, False, True, False), (True, True, True, False),
-                                             (True, True, False, False)):
-            kind = "hybrid" if hybrid else "tree" if tree else "sequence" if final else "chain"
+        for tree, hybrid, paths, pending, final in (
+                (False, False, False, False, False), (False, False, False, False, True),
+                (True, False, False, True, False), (True, True, False, True, False), (True, True, False, False, False),
+                (False, False, True, True, False)):
+            kind = "paths" if paths else "hybrid" if hybrid else "tree" if tree else "sequence" if final else "chain"
             yield (f"verify[{kind}{'+pending' if pending else ''}] BV={BV} w={warps}", serial.tree_verify_kernel,
                    dict(H=H, HV=HV, K=K, V=V, BK=K, BV=BV, NV=V // BV, NP=64, PP=16, TREE=tree, HYBRID=hybrid,
-                        HAS_PENDING=pending, STORE_U=not final, WRITE_FINAL=final,
-                        HAS_VALID=not tree and not hybrid and not final), warps)
+                        PATHS=paths, HAS_PENDING=pending, STORE_U=not final, WRITE_FINAL=final,
+                        HAS_VALID=paths or not tree and not hybrid and not final), warps)
     for NT, BV, BKC, warps in [(nt, *t) for nt, t in parallel.TILINGS.items()] + list(parallel.SWEEP):
         for pending in (False, True):
             yield (f"parallel{'+pending' if pending else ''} NT={NT} BV={BV} BK={BKC} w={warps}",

@@ -8,12 +8,12 @@ from hypothesis import strategies as st
 from .kernel_cases import KINDS, close, inputs, parents_of
 from specla import ops, topology
 from specla.bench.trees import beam_tree
-from specla.ops.gdn import closure, commit, hybrid, naive, parallel, schedule, serial
+from specla.ops.gdn import closure, commit, hybrid, naive, parallel, paths, schedule, serial
 
 HYP = settings(max_examples=25, deadline=None, derandomize=True,
                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 VERIFIERS = {"serial": serial.gdn_tree_verify, "hybrid": hybrid.gdn_tree_verify,
-             "parallel": parallel.gdn_tree_verify}
+             "parallel": parallel.gdn_tree_verify, "paths": paths.gdn_tree_verify}
 
 
 def pending_of(B, P, H, HV, K, V, seed):
@@ -198,10 +198,11 @@ def test_plan_cache_follows_in_place_writes():
 
 
 def test_dispatch_picks_the_verifier(monkeypatch):
-    """Chains: serial chain mode. Trees: the parallel verifier, except in exact mode, where the
-    cost model (eagerly) or the size (inside a capture) picks serial or hybrid."""
+    """Chains: serial chain mode. Trees: the path-parallel verifier while its programs fit
+    (PATHS_MAX_PROGRAMS), else the parallel verifier, except in exact mode, where the cost
+    model (eagerly) or the size (inside a capture) picks serial or hybrid."""
     calls = []
-    for mod, name in ((serial, "serial"), (hybrid, "hybrid"), (parallel, "parallel")):
+    for mod, name in ((serial, "serial"), (hybrid, "hybrid"), (parallel, "parallel"), (paths, "paths")):
         real = mod.gdn_tree_verify
         monkeypatch.setattr(mod, "gdn_tree_verify",
                             lambda *a, _r=real, _n=name, **kw: calls.append(_n) or _r(*a, **kw))
@@ -222,11 +223,13 @@ def test_dispatch_picks_the_verifier(monkeypatch):
     cheap_chains = dict(schedule.SERIAL_COST, hybrid_fixed=-1e3)  # the cost model then always picks chains
     run(topology.chain(5), "serial")
     run(torch.tensor([[-1]]), "serial")
+    run(tree, "paths")  # 2 value heads x 1 V-tile x 5 nodes: 10 programs
+    monkeypatch.setattr(ops, "PATHS_MAX_PROGRAMS", 9)
     run(tree, "parallel")
     run(tree, "serial", exact=True)
     monkeypatch.setattr(schedule, "SERIAL_COST", cheap_chains)
     run(tree, "hybrid", exact=True)
-    for setting in ("serial", "hybrid", "parallel"):
+    for setting in ("serial", "hybrid", "parallel", "paths"):
         monkeypatch.setattr(ops, "TREE_VERIFIER", setting)
         run(tree, setting, label=f"forced {setting}")
         run(tree, "hybrid", exact=True, label=f"forced {setting}, exact")  # exact mode wins
@@ -436,7 +439,7 @@ def test_verify_tiling_from_environment(monkeypatch):
         ops._tiling_from_env()
 
 
-@pytest.mark.parametrize("kernel", ["serial", "parallel"])
+@pytest.mark.parametrize("kernel", ["serial", "parallel", "paths"])
 @pytest.mark.parametrize("chain", [True, False])
 def test_kernels_stop_at_valid(chain, kernel, poison):
     """Padding past valid[b] (a fixed-width verify): real nodes equal the reference, padding
@@ -453,7 +456,7 @@ def test_kernels_stop_at_valid(chain, kernel, poison):
         o, u = serial.gdn_tree_verify(q, k, v, g, beta, S_out, par, 0.25, pend, valid, chain=chain,
                                       block_v=8, num_warps=1)
     else:
-        o, u = parallel.gdn_tree_verify(q, k, v, g, beta, S_out, par, 0.25, pend, valid)
+        o, u = VERIFIERS[kernel](q, k, v, g, beta, S_out, par, 0.25, pend, valid)
     full, _ = naive.gdn_tree_verify(q, k, v, g, beta, S.clone(), par, 0.25, pend)
     for b in range(B):
         m = int(valid[b])
@@ -462,6 +465,24 @@ def test_kernels_stop_at_valid(chain, kernel, poison):
     close(o, ro, "o")
     close(u, ru, "u")
     close(S_out, S_ref, "state")
+
+
+@pytest.mark.parametrize("kind", ["beam", "bushy", "star", "random"])
+def test_paths_compute_the_serial_pass_bits(kind, poison):
+    """The path-parallel verifier gives each node the serial pass's arithmetic (the bits an AR
+    step gets there: a node shared by many paths is computed by each, identically), writes a
+    pending update back once, and leaves its counters zeroed for the next launch."""
+    B, n, H, HV, K, V = 2, 12, 1, 2, 16, 32
+    par = torch.tensor([parents_of(kind, n, 5 + b) for b in range(B)])
+    q, k, v, g, beta, S = inputs(B, n, H, HV, K, V, 9)
+    pend = pending_of(B, 2, H, HV, K, V, 9)
+    pend = pend[:3] + (torch.tensor([2, 1]),)  # both rows flush: the write-back is exercised
+    S_serial, S_paths = S.clone(), S.clone()
+    so, su = serial.gdn_tree_verify(q, k, v, g, beta, S_serial, par, 0.25, pend, block_v=16)
+    po, pu = paths.gdn_tree_verify(q, k, v, g, beta, S_paths, par, 0.25, pend, block_v=16)
+    assert torch.equal(po, so) and torch.equal(pu, su) and torch.equal(S_paths, S_serial)
+    assert not torch.equal(S_paths, S)
+    assert not paths.counters(S.device, 1).any()
 
 
 @pytest.mark.parametrize("kind,n", [("beam", 17), ("deep", 33), ("chain", 20), ("star", 16)])

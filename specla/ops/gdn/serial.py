@@ -43,26 +43,48 @@ def _sum3(a0, b0, c0, a1, b1, c1):
 
 
 @triton.jit
+def _leaves(parents, valid, b, n, idx, NP: tl.constexpr, HAS_VALID: tl.constexpr):
+    """Leaves of row b: real nodes that are no real node's parent."""
+    L = n
+    if HAS_VALID:
+        L = tl.minimum(tl.maximum(tl.load(valid + b).to(tl.int32), 0), n)
+    prow = tl.load(parents + b * n + idx, mask=idx < L, other=-1).to(tl.int32)
+    jdx = tl.arange(0, NP)
+    parent_of_some = tl.max((prow[:, None] == jdx[None, :]).to(tl.int32), 0)
+    return L - tl.sum(parent_of_some, 0)
+
+
+@triton.jit
 def _pick(vec, idx, i):
     """vec[i] for a register vector (Triton has no dynamic register indexing)."""
     return tl.sum(tl.where(idx == i, vec, 0), 0)
 
 
-@triton.jit(do_not_specialize=["n", "P", "n_tiles"])
+@triton.jit
+def _nth(on, pos, idx, t):
+    """The t-th index set in `on` (pos = running count of set entries - 1); 0 past the last."""
+    return tl.sum(tl.where(on & (pos == t), idx, 0), 0)
+
+
+@triton.jit(do_not_specialize=["n", "P", "n_tiles", "W"])
 def tree_verify_kernel(
     q, k, v, g, beta, state, o, u, parents, scratch,
     chain_nodes, chain_len, light, n_chains, flags,
-    pk, pg, pu, plen, valid,
-    scale, n, P, n_tiles,
+    pk, pg, pu, plen, valid, closure, counters,
+    scale, n, P, n_tiles, W,
     s_qb, s_qn, s_kb, s_kn, s_vb, s_vn,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, NP: tl.constexpr, PP: tl.constexpr,
-    TREE: tl.constexpr, HYBRID: tl.constexpr, HAS_PENDING: tl.constexpr,
+    TREE: tl.constexpr, HYBRID: tl.constexpr, PATHS: tl.constexpr, HAS_PENDING: tl.constexpr,
     STORE_U: tl.constexpr, WRITE_FINAL: tl.constexpr, HAS_VALID: tl.constexpr,
 ):
     """TREE=False: nodes form a chain (parents ignored). TREE, not HYBRID: all n nodes in one
-    program per tile (serial verifier). HYBRID: one program per (chain, tile), see hybrid.py."""
-    if HYBRID:
+    program per tile (serial verifier). HYBRID: one program per (chain, tile), see hybrid.py.
+    PATHS: one program per (tile, node), walking root..node if the node is a leaf (paths.py)."""
+    if PATHS:
+        c = tl.program_id(1)
+        r = tl.program_id(0)
+    elif HYBRID:
         # Work items are handed out in ticket order, chain-major, and chains are ranked
         # topologically: every item waits only on items with smaller tickets, all of which
         # belong to programs already running, so the spin-waits below cannot deadlock.
@@ -86,6 +108,19 @@ def tree_verify_kernel(
         nrow = tl.load(chain_nodes + (b * n + c) * n + idx, mask=idx < L, other=-1)
         lrow = tl.load(light + b * n + idx, mask=idx < n, other=0)
         node = _pick(nrow, idx, 0)
+    elif PATHS:
+        L = n
+        if HAS_VALID:
+            L = tl.minimum(tl.maximum(tl.load(valid + b).to(tl.int32), 0), n)
+        # program c walks the path root..c when c is a leaf: a real node no real node has for
+        # its parent; its nodes, in index order, are node c's ancestors (parents precede children)
+        prow = tl.load(parents + b * n + idx, mask=idx < L, other=-1).to(tl.int32)
+        leaf = (c < L) & (tl.sum((prow == c).to(tl.int32), 0) == 0)
+        on = (tl.load(closure + (b * W + c).to(tl.int64) * W + idx, mask=(idx < L) & leaf, other=0.0) > 0) & \
+            (idx < L)
+        pos = tl.cumsum(on.to(tl.int32), 0) - 1
+        L = tl.sum(on.to(tl.int32), 0)  # nodes on the path; 0 when c is no leaf
+        node = tl.program_id(0) * 0
     else:
         L = n
         if HAS_VALID:
@@ -112,13 +147,26 @@ def tree_verify_kernel(
     b_b = tl.load(beta + p_gb + node * HV, mask=ok, other=0.0).to(tl.float32)
 
     S = tl.zeros([BK, BV], dtype=tl.float32)
-    if node == 0:  # this program starts at the root: it owns the durable tile
+    start = node == 0
+    if PATHS:
+        start = start & (L > 0)  # a program whose node is no leaf walks nothing
+    if start:  # this program starts at the root: it owns the durable tile
         S = tl.load(p_S, mask=m_S, other=0.0)
         if HAS_PENDING:
             S = advance_tile(S, b, hv, i_h, pk, pg, pu, plen, plen, P, P, o_k, mk, o_v, mv,
                              H, HV, K, V, PP, False)
             if tl.load(plen + b) > 0:  # an empty pending buffer leaves the state as it is
-                tl.store(p_S, S, mask=m_S)
+                if PATHS:
+                    # every path advanced its own copy of the tile; the last to have loaded it
+                    # writes it back (nobody reads the durable tile after that) and re-arms
+                    # the counter for the next launch
+                    n_leaves = _leaves(parents, valid, b, n, idx, NP, HAS_VALID)
+                    tl.debug_barrier()  # every thread's load of the tile is done
+                    if tl.atomic_add(counters + r, 1) == n_leaves - 1:
+                        tl.store(p_S, S, mask=m_S)
+                        tl.atomic_xchg(counters + r, 0)
+                else:
+                    tl.store(p_S, S, mask=m_S)
     if HYBRID:
         prev = node * 0 - 1
     elif TREE:
@@ -130,6 +178,8 @@ def tree_verify_kernel(
         # prefetch the next node's inputs; they do not depend on the state
         if HYBRID:
             node = _pick(nrow, idx, t + 1)
+        elif PATHS:
+            node = _nth(on, pos, idx, t + 1)
         else:
             node = cur + 1
         ok = t + 1 < L
@@ -188,7 +238,14 @@ def tree_verify_kernel(
 
     if WRITE_FINAL:
         tl.store(p_S, S, mask=m_S)
-    if HAS_VALID:  # padding nodes: defined outputs (zeros) without their recurrence
+    if PATHS:
+        if HAS_VALID:  # a padding node: defined outputs (zeros), written by its own program
+            if c >= tl.minimum(tl.maximum(tl.load(valid + b).to(tl.int32), 0), n):
+                p_out = ((b * n + c) * HV + hv).to(tl.int64) * V + o_v
+                tl.store(o + p_out, tl.zeros([BV], dtype=tl.float32), mask=mv)
+                if STORE_U:
+                    tl.store(u + p_out, tl.zeros([BV], dtype=tl.float32), mask=mv)
+    elif HAS_VALID:  # padding nodes: defined outputs (zeros) without their recurrence
         for t in range(L, n):
             p_out = ((b * n + t) * HV + hv).to(tl.int64) * V + o_v
             tl.store(o + p_out, tl.zeros([BV], dtype=tl.float32), mask=mv)
@@ -203,9 +260,10 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def launch(q, k, v, g, beta, state, parents, scale, pending, *, grid, tree, hybrid=None,
+def launch(q, k, v, g, beta, state, parents, scale, pending, *, grid, tree, hybrid=None, paths=None,
            store_u=True, write_final=False, valid=None, block_v, num_warps):
-    """Allocate outputs and run `tree_verify_kernel`; returns (o, u)."""
+    """Allocate outputs and run `tree_verify_kernel`; returns (o, u). paths: (closure [B, W, W],
+    counters) for the path-per-program mode (paths.py)."""
     B, n, HV, V = v.shape
     H, K = k.shape[2], k.shape[3]
     dev = state.device
@@ -213,20 +271,22 @@ def launch(q, k, v, g, beta, state, parents, scale, pending, *, grid, tree, hybr
     o = torch.empty(B, n, HV, V, dtype=state.dtype, device=dev)
     u = torch.empty_like(o) if store_u else o
     # boundary tiles, indexed by node id; allocation only: just the boundaries are written
-    scratch = torch.empty(B, n, HV, K, V, dtype=torch.float32, device=dev) if tree else o
+    scratch = torch.empty(B, n, HV, K, V, dtype=torch.float32, device=dev) if tree and paths is None else o
     pk, pg, pu, plen, P, PP, has_pending = pending_args(pending, dev)
     if hybrid is not None:
         sched = hybrid
-    elif tree:
+    elif tree and paths is None:
         sched = (parents, parents, plan_for(parents).serial_boundaries(parents), parents, parents)
     else:
         sched = (parents,) * 5
     tree_verify_kernel[grid](
         q, k, v, g.contiguous(), beta.contiguous(), state, o, u, parents, scratch, *sched,
-        pk, pg, pu, plen, plen if valid is None else valid, scale, n, P, B * HV * triton.cdiv(V, block_v),
+        pk, pg, pu, plen, plen if valid is None else valid, *(paths or (o, o)),
+        scale, n, P, B * HV * triton.cdiv(V, block_v), 1 if paths is None else paths[0].shape[2],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=block_v, NV=triton.cdiv(V, block_v),
-        NP=triton.next_power_of_2(n) if tree else 1, PP=PP, TREE=tree, HYBRID=hybrid is not None,
+        NP=triton.next_power_of_2(n) if tree else 1, PP=PP, TREE=tree and paths is None,
+        HYBRID=hybrid is not None, PATHS=paths is not None,
         HAS_PENDING=has_pending, STORE_U=store_u, WRITE_FINAL=write_final, HAS_VALID=valid is not None,
         num_warps=num_warps)
     return o, u

@@ -1,0 +1,62 @@
+"""Path-parallel tree verifier: every root-to-leaf path walked by a program of its own.
+
+The serial verifier's inner loop (`serial.tree_verify_kernel`, PATHS mode) run once per leaf:
+program (tile, c) walks the nodes root..c in order when c is a leaf, with the state tile
+resident, and computes every node exactly as an AR step or a chain verify would: the same
+update (`decay_update`), the same reduction over K, the same tiling. A node shared by several
+paths is computed by each of them, with the same bits, and written by each. Nothing is
+restored or waited for, so a 16-node beam tree of depth 8 costs about what a 9-node chain
+does (its deepest path) as long as the (tile, node) programs fit on the GPU at once; its
+outputs are bitwise those of the serial pass (whose bf16 trees emit AR's tokens), where the
+parallel verifier's closed form rounds otherwise.
+
+The work is the sum of the path lengths rather than the node count, and the grid is
+tiles × nodes: the dispatch (`ops.gdn_tree_verify`) sends a tree here only while that grid is
+small against the GPU (`ops.PATHS_MAX_PROGRAMS`); at the paper's shape (128 tiles a row) the
+parallel and serial verifiers already fill it.
+
+The pending (delayed) update is applied by every path to its own copy of the root tile; the
+durable tile is written back by whichever path loaded it last (a per-tile counter, reset by
+that program), so no path reads a tile another has already advanced. The counters live in
+one zeroed buffer per device that the kernel leaves zeroed (`counters`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from specla.graphs import capturing
+from specla.ops.gdn import serial
+from specla.ops.gdn.schedule import plan_for
+
+_COUNTERS: dict = {}
+
+
+def counters(device: torch.device, size: int) -> torch.Tensor | None:
+    """A zeroed int32 buffer of at least `size` counters on `device`, shared by every launch
+    (each leaves it zeroed). None inside a graph capture when none is big enough yet: it is
+    made outside captures (a capture's warm-up makes it), where its zeros are really written."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < size:
+        if capturing():
+            return None
+        buf = _COUNTERS[device] = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
+    return buf
+
+
+def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, valid=None, *,
+                    block_v: int = 16, num_warps: int = 4):
+    """Same contract as `naive.gdn_tree_verify` (fp32 state)."""
+    B, n, HV, V = v.shape
+    BV = serial.block_size(V, block_v)
+    tiles = B * HV * triton.cdiv(V, BV)
+    ticket = counters(state.device, tiles)
+    if ticket is None:  # first seen inside a capture: the serial pass computes the same bits
+        return serial.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, valid,
+                                      block_v=block_v, num_warps=num_warps)
+    parents = parents.contiguous()
+    closure = plan_for(parents).closure(parents, n)  # cached on the caller's tensor: once per round
+    return serial.launch(q, k, v, g, beta, state, parents, scale, pending, grid=(tiles, n), tree=True,
+                         paths=(closure, ticket), valid=None if valid is None else valid.contiguous(),
+                         block_v=BV, num_warps=num_warps)
