@@ -38,7 +38,9 @@ SHAPES = {  # name -> generate() options
     "tree-k4-d8-n12": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=12),
     # the tree scores at the plain log-probabilities (the default tempers them: eagle.TREE_TEMPERATURE)
     "tree-k4-d8-n16-t1": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, tree_temperature=1.0),
-    # verified by the serial kernel (AR's arithmetic a node; the dispatch sends 16-node trees to the parallel one)
+    # verified by the serial pass or the parallel (UT-form) kernel instead of the dispatch's
+    # choice (the path-parallel one for the demo's 16-node trees)
+    "tree-k4-d8-n16-parallel": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, tree_verifier="parallel"),
     "tree-k4-d8-n16-serial": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, tree_verifier="serial"),
     "tree-k4-d8-n24": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=24),
     "tree-k4-w1-d8-n16": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, tree_width=1),

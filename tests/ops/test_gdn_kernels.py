@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from .kernel_cases import KINDS, close, inputs, parents_of
 from specla import ops, topology
+from specla.ops import counters
 from specla.bench.trees import beam_tree
 from specla.ops.gdn import closure, commit, hybrid, naive, parallel, paths, schedule, serial
 
@@ -482,7 +483,7 @@ def test_paths_compute_the_serial_pass_bits(kind, poison):
     po, pu = paths.gdn_tree_verify(q, k, v, g, beta, S_paths, par, 0.25, pend, block_v=16)
     assert torch.equal(po, so) and torch.equal(pu, su) and torch.equal(S_paths, S_serial)
     assert not torch.equal(S_paths, S)
-    assert not paths.counters(S.device, 1).any()
+    assert not counters.zeroed(S.device, 1).any()
 
 
 @pytest.mark.parametrize("kind,n", [("beam", 17), ("deep", 33), ("chain", 20), ("star", 16)])

@@ -17,32 +17,16 @@ parallel and serial verifiers already fill it.
 
 The pending (delayed) update is applied by every path to its own copy of the root tile; the
 durable tile is written back by whichever path loaded it last (a per-tile counter, reset by
-that program), so no path reads a tile another has already advanced. The counters live in
-one zeroed buffer per device that the kernel leaves zeroed (`counters`).
+that program, `ops.counters`), so no path reads a tile another has already advanced.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 
-from specla.graphs import capturing
+from specla.ops import counters
 from specla.ops.gdn import serial
 from specla.ops.gdn.schedule import plan_for
-
-_COUNTERS: dict = {}
-
-
-def counters(device: torch.device, size: int) -> torch.Tensor | None:
-    """A zeroed int32 buffer of at least `size` counters on `device`, shared by every launch
-    (each leaves it zeroed). None inside a graph capture when none is big enough yet: it is
-    made outside captures (a capture's warm-up makes it), where its zeros are really written."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < size:
-        if capturing():
-            return None
-        buf = _COUNTERS[device] = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
-    return buf
 
 
 def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, valid=None, *,
@@ -51,7 +35,7 @@ def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, valid
     B, n, HV, V = v.shape
     BV = serial.block_size(V, block_v)
     tiles = B * HV * triton.cdiv(V, BV)
-    ticket = counters(state.device, tiles)
+    ticket = counters.zeroed(state.device, tiles)
     if ticket is None:  # first seen inside a capture: the serial pass computes the same bits
         return serial.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, valid,
                                       block_v=block_v, num_warps=num_warps)
