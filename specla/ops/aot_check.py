@@ -69,9 +69,7 @@ def variants(H=8, HV=8, K=256, V=256):
     yield ("gated_rms_norm", norm._gated_rms_norm_kernel, dict(HV=HV, V=V, BV=V, HAS_Z=True, SIGMOID=False), 4)
     # a rollout depth of 4 beams over a 32k vocabulary (the 1.3B shape's), top-4
     yield "ancestor closure", closure._closure_kernel, dict(NP=32, STEPS=4), 4
-    for merge in (True, False):
-        yield (f"beam_expand chunk{' + merge' if merge else ''}", beam._chunk_kernel,
-               dict(K=4, BLOCK=beam.CHUNK, MERGE=merge, KP=4, NB=4, NCP=32, NCK=128), 4)
+    yield "beam_expand chunk", beam._chunk_kernel, dict(K=4, BLOCK=beam.CHUNK), 4
     yield "beam_expand merge", beam._merge_kernel, dict(K=4, KP=4, NB=4, NCP=32, NCK=128), 4
     for V, warps in ((8192, 8), (beam.ROW_MAX, 16)):  # one beam's whole row: the demo's and the largest vocabulary
         yield f"beam_expand row V={V}", beam._row_kernel, dict(K=4, BLOCK=V), warps

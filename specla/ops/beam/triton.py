@@ -1,13 +1,12 @@
-"""Triton `beam_expand` (same contract as `naive.py`): one rollout depth in one launch.
+"""Triton `beam_expand` (same contract as `naive.py`): one rollout depth in one or two launches.
 
 Inductor made one depth's log-softmax, the per-beam top-k (k max-reductions with a scatter
 between them) and the top-k of the children into a dozen or more kernels. Here:
 1. `_chunk_kernel`, one program per (beam row, vocabulary chunk): the chunk's k best logits
    (lowest id first among equal values) and its max and sum of exponentials;
-2. `_merge`, by the last chunk program of each batch row to finish (an atomic count,
-   `ops.counters`; it was a second launch, `_merge_kernel`, which remains the fallback): each
-   beam's log-sum-exp from its chunks, its k best tokens from the chunks' candidates (every id
-   sits in one chunk, so no candidate repeats), the children's scores, and the k best children.
+2. `_merge_kernel`, one program per batch row: each beam's log-sum-exp from its chunks, its k
+   best tokens from the chunks' candidates (every id sits in one chunk, so no candidate
+   repeats), the children's scores, and the k best children.
 A single beam (the root's depth, and every depth of a width-1 tree) over a vocabulary of at
 most ROW_MAX takes one launch, `_row_kernel`: one program per batch row holds the whole row,
 and its children are the next beams in their own order (scores fall with the logits).
@@ -20,8 +19,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from specla.ops import counters
 
 CHUNK = 1024
 ROW_MAX = 16384  # one program holds a row of up to this many logits (64 KiB of fp32 registers)
@@ -50,11 +47,7 @@ def _unkey(key):
 
 
 @triton.jit
-def _chunk_kernel(x, cand_v, cand_i, cmax, csum, V, NC, s_row, scale,
-                  beam_scores, tok, scores, beams, nb, counters,
-                  K: tl.constexpr, BLOCK: tl.constexpr, MERGE: tl.constexpr,
-                  KP: tl.constexpr, NB: tl.constexpr, NCP: tl.constexpr, NCK: tl.constexpr):
-    """MERGE: the last chunk program of a batch row to finish merges the row (`_merge`)."""
+def _chunk_kernel(x, cand_v, cand_i, cmax, csum, V, NC, s_row, scale, K: tl.constexpr, BLOCK: tl.constexpr):
     row, c = tl.program_id(0), tl.program_id(1)
     offs = c * BLOCK + tl.arange(0, BLOCK)
     live = offs < V
@@ -71,36 +64,23 @@ def _chunk_kernel(x, cand_v, cand_i, cmax, csum, V, NC, s_row, scale,
         tl.store(cand_v + out + j, v)
         tl.store(cand_i + out + j, i)
         key = tl.where(key == best, NO_KEY, key)
-    if MERGE:
-        b = row // nb
-        tl.debug_barrier()  # every thread's candidates are stored before the count (release)
-        if tl.atomic_add(counters + b, 1) == nb * NC - 1:
-            tl.debug_barrier()  # the count's acquire precedes every thread's loads
-            _merge(b, cand_v, cand_i, cmax, csum, beam_scores, tok, scores, beams, nb, NC, K, KP, NB, NCP, NCK)
-            tl.atomic_xchg(counters + b, 0)
 
 
 @triton.jit
 def _merge_kernel(cand_v, cand_i, cmax, csum, beam_scores, tok, scores, beams, nb, NC,
                   K: tl.constexpr, KP: tl.constexpr, NB: tl.constexpr, NCP: tl.constexpr, NCK: tl.constexpr):
-    _merge(tl.program_id(0), cand_v, cand_i, cmax, csum, beam_scores, tok, scores, beams, nb, NC, K, KP, NB, NCP, NCK)
-
-
-@triton.jit
-def _merge(b, cand_v, cand_i, cmax, csum, beam_scores, tok, scores, beams, nb, NC,
-           K: tl.constexpr, KP: tl.constexpr, NB: tl.constexpr, NCP: tl.constexpr, NCK: tl.constexpr):
-    """Batch row b from its chunks' candidates (loaded past L1: other programs wrote them)."""
+    b = tl.program_id(0)
     rows = tl.arange(0, NB)
     live = rows < nb
     r = b * nb + rows
     cols = tl.arange(0, NCK)
     m_c = live[:, None] & (cols < NC * K)[None, :]
-    v = tl.load(cand_v + r[:, None] * NC * K + cols[None, :], mask=m_c, other=float("-inf"), cache_modifier=".cg")
-    ix = tl.load(cand_i + r[:, None] * NC * K + cols[None, :], mask=m_c, other=BIG, cache_modifier=".cg")
+    v = tl.load(cand_v + r[:, None] * NC * K + cols[None, :], mask=m_c, other=float("-inf"))
+    ix = tl.load(cand_i + r[:, None] * NC * K + cols[None, :], mask=m_c, other=BIG)
     cc = tl.arange(0, NCP)
     m_s = live[:, None] & (cc < NC)[None, :]
-    cm = tl.load(cmax + r[:, None] * NC + cc[None, :], mask=m_s, other=float("-inf"), cache_modifier=".cg")
-    cs = tl.load(csum + r[:, None] * NC + cc[None, :], mask=m_s, other=0.0, cache_modifier=".cg")
+    cm = tl.load(cmax + r[:, None] * NC + cc[None, :], mask=m_s, other=float("-inf"))
+    cs = tl.load(csum + r[:, None] * NC + cc[None, :], mask=m_s, other=0.0)
     top = tl.max(cm, 1)
     top = tl.where(top == float("-inf"), 0.0, top)
     lse = top + tl.log(tl.where(live, tl.sum(cs * tl.exp(cm - top[:, None]), 1), 1.0))
@@ -163,16 +143,11 @@ def beam_expand(logits: torch.Tensor, beam_scores: torch.Tensor, topk: int, scal
     cand_i = torch.empty(B * nb, NC, topk, dtype=torch.int32, device=dev)
     cmax = torch.empty(B * nb, NC, dtype=torch.float32, device=dev)
     csum = torch.empty_like(cmax)
+    _chunk_kernel[(B * nb, NC)](x, cand_v, cand_i, cmax, csum, V, NC, V, scale, K=topk, BLOCK=BLOCK)
     tok = torch.empty(B, nb * topk, dtype=torch.long, device=dev)
     scores = torch.empty(B, nb * topk, dtype=torch.float32, device=dev)
     beams = torch.empty(B, topk, dtype=torch.long, device=dev)
-    bs = beam_scores.float().contiguous()
-    shape = dict(K=topk, KP=triton.next_power_of_2(topk), NB=triton.next_power_of_2(nb),
-                 NCP=triton.next_power_of_2(NC), NCK=triton.next_power_of_2(NC * topk))
-    ticket = counters.zeroed(dev, B)
-    _chunk_kernel[(B * nb, NC)](x, cand_v, cand_i, cmax, csum, V, NC, V, scale, bs, tok, scores, beams, nb,
-                                ticket if ticket is not None else cand_i, BLOCK=BLOCK, MERGE=ticket is not None,
-                                **shape)
-    if ticket is None:  # first seen inside a capture: the merge as a launch of its own
-        _merge_kernel[(B,)](cand_v, cand_i, cmax, csum, bs, tok, scores, beams, nb, NC, **shape)
+    _merge_kernel[(B,)](cand_v, cand_i, cmax, csum, beam_scores.float().contiguous(), tok, scores, beams, nb, NC,
+                        K=topk, KP=triton.next_power_of_2(topk), NB=triton.next_power_of_2(nb),
+                        NCP=triton.next_power_of_2(NC), NCK=triton.next_power_of_2(NC * topk))
     return tok, scores, beams
