@@ -8,8 +8,8 @@ GDN verification (docs/kernels.md):
 - n = 1 or a chain: the serial verifier (state-resident, nothing materialised);
 - a branching topology whose (V-tile, node) programs fit on the GPU at once (PATHS_MAX_PROGRAMS,
   the demo target's 16-node trees: 272): the path-parallel verifier, a program per root-to-leaf
-  path on the serial kernel's arithmetic (AR's bits; on the H200 it costs about a chain verify
-  of the tree's depth, `paths.py`);
+  path on the serial kernel's arithmetic (AR's bits; on the H200 a 16-node round costs what it
+  costs with the parallel verifier, whose bits differ from AR's, `paths.py`);
 - a larger branching topology: the parallel verifier (UT form with the tree mask, one launch, no
   per-node pass over the state), for up to PARALLEL_MAX_NODES = 32 nodes (on the H200 it beat
   the serial verifier on 17-node trees, 0.34-0.36 against 0.53-0.57 ms for 24 layers, and lost
