@@ -31,7 +31,9 @@ from specla.ops.gdn.schedule import plan_for
 
 def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, valid=None, *,
                     block_v: int = 16, num_warps: int = 4):
-    """Same contract as `naive.gdn_tree_verify` (fp32 state)."""
+    """Same contract as `naive.gdn_tree_verify` (fp32 state), for valid[b] >= 1 (the root is
+    always real: with no real node there is no path, and a pending update would not be
+    written back)."""
     B, n, HV, V = v.shape
     BV = serial.block_size(V, block_v)
     tiles = B * HV * triton.cdiv(V, BV)
