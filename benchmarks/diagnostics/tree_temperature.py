@@ -8,6 +8,7 @@ likeliest continuation's deeper nodes above unlikely siblings. Tokens a round do
 the device; this runs wherever the model does (CPU: fp32).
 
     python benchmarks/diagnostics/tree_temperature.py [--temperatures 0.25,0.5,1,2] [--n-prompts 30] [--out FILE]
+        [--shapes 8x16,8x24,10x16]     # trees of depth x node budget (default 8x16, the e2e route's)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--shapes", default="8x16", help="trees as DEPTHxBUDGET, comma-separated")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
 
@@ -36,8 +38,10 @@ def main():
     questions = load_gsm8k_train()[FIRST:FIRST + a.n_prompts]
     prompts = [[{"role": "user", "content": q["question"]}] for q in questions]
     runs = [("chain", dict(route="chain", chain_length=8))]
-    runs += [(f"tree T={t}", dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, tree_temperature=float(t)))
-             for t in a.temperatures.split(",")]
+    shapes = [tuple(int(x) for x in sh.split("x")) for sh in a.shapes.split(",")]
+    runs += [(f"tree d{d} n{n} T={t}", dict(route="tree", tree_topk=4, tree_depth=d, tree_budget=n,
+                                             tree_temperature=float(t)))
+             for d, n in shapes for t in a.temperatures.split(",")]
     rows = []
     for name, kw in runs:
         tokens = rounds = 0
