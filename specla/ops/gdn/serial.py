@@ -43,15 +43,12 @@ def _sum3(a0, b0, c0, a1, b1, c1):
 
 
 @triton.jit
-def _leaves(parents, valid, b, n, idx, NP: tl.constexpr, HAS_VALID: tl.constexpr):
-    """Leaves of row b: real nodes that are no real node's parent."""
-    L = n
-    if HAS_VALID:
-        L = tl.minimum(tl.maximum(tl.load(valid + b).to(tl.int32), 0), n)
-    prow = tl.load(parents + b * n + idx, mask=idx < L, other=-1).to(tl.int32)
+def _leaves(prow, real, NP: tl.constexpr):
+    """How many of the `real` nodes are no real node's parent (prow: the real nodes' parents,
+    -1 past them)."""
     jdx = tl.arange(0, NP)
     parent_of_some = tl.max((prow[:, None] == jdx[None, :]).to(tl.int32), 0)
-    return L - tl.sum(parent_of_some, 0)
+    return real - tl.sum(parent_of_some, 0)
 
 
 @triton.jit
@@ -103,15 +100,15 @@ def tree_verify_kernel(
         lrow = tl.load(light + b * n + idx, mask=idx < n, other=0)
         node = _pick(nrow, idx, 0)
     elif PATHS:
-        L = n
+        real = n  # real nodes of the row; padding past them
         if HAS_VALID:
-            L = tl.minimum(tl.maximum(tl.load(valid + b).to(tl.int32), 0), n)
+            real = tl.minimum(tl.maximum(tl.load(valid + b).to(tl.int32), 0), n)
         # program c walks the path root..c when c is a leaf: a real node no real node has for
         # its parent; its nodes, in index order, are node c's ancestors (parents precede children)
-        prow = tl.load(parents + b * n + idx, mask=idx < L, other=-1).to(tl.int32)
-        leaf = (c < L) & (tl.sum((prow == c).to(tl.int32), 0) == 0)
-        on = (tl.load(closure + (b * W + c).to(tl.int64) * W + idx, mask=(idx < L) & leaf, other=0.0) > 0) & \
-            (idx < L)
+        prow = tl.load(parents + b * n + idx, mask=idx < real, other=-1).to(tl.int32)
+        leaf = (c < real) & (tl.sum((prow == c).to(tl.int32), 0) == 0)
+        on = (tl.load(closure + (b * W + c).to(tl.int64) * W + idx, mask=(idx < real) & leaf, other=0.0) > 0) & \
+            (idx < real)
         pos = tl.cumsum(on.to(tl.int32), 0) - 1
         L = tl.sum(on.to(tl.int32), 0)  # nodes on the path; 0 when c is no leaf
         # the path's node at each step, found once and read back as scalars: picking it out of
@@ -160,9 +157,8 @@ def tree_verify_kernel(
                     # every path advanced its own copy of the tile; the last to have loaded it
                     # writes it back (nobody reads the durable tile after that) and re-arms
                     # the counter for the next launch
-                    n_leaves = _leaves(parents, valid, b, n, idx, NP, HAS_VALID)
                     tl.debug_barrier()  # every thread's load of the tile is done
-                    if tl.atomic_add(counters + r, 1) == n_leaves - 1:
+                    if tl.atomic_add(counters + r, 1) == _leaves(prow, real, NP) - 1:
                         tl.store(p_S, S, mask=m_S)
                         tl.atomic_xchg(counters + r, 0)
                 else:
@@ -241,7 +237,7 @@ def tree_verify_kernel(
         tl.store(p_S, S, mask=m_S)
     if PATHS:
         if HAS_VALID:  # a padding node: defined outputs (zeros), written by its own program
-            if c >= tl.minimum(tl.maximum(tl.load(valid + b).to(tl.int32), 0), n):
+            if c >= real:
                 p_out = ((b * n + c) * HV + hv).to(tl.int64) * V + o_v
                 tl.store(o + p_out, tl.zeros([BV], dtype=tl.float32), mask=mv)
                 if STORE_U:
