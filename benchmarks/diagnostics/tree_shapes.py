@@ -130,7 +130,7 @@ def profile(lm, prompt, max_new_tokens: int, kw: dict) -> dict:
     def once():
         g["r"] = lm.generate(prompt, max_new_tokens=max_new_tokens, **kw)
 
-    prof = _profile_fn(once, 1, lm.model.device, top=60)
+    prof = _profile_fn(once, 1, lm.model.device, top=250)
     n = g["r"].rounds
     return {"rounds": n, "kernels_per_round": prof["kernels_per_step"] / n,
             "gpu_busy_ms_per_round": prof["gpu_us_per_step"] / n / 1e3,

@@ -52,6 +52,17 @@ def _leaves(prow, real, NP: tl.constexpr):
 
 
 @triton.jit
+def _inputs(p_q, p_k, p_v, p_g, p_b, node, ok, s_qn, s_kn, mk, mv, s_vn, HV: tl.constexpr):
+    """A node's q, k, v, log-decay and beta (zeros where not ok), in fp32."""
+    b_q = tl.load(p_q + node * s_qn, mask=mk & ok, other=0.0).to(tl.float32)
+    b_k = tl.load(p_k + node * s_kn, mask=mk & ok, other=0.0).to(tl.float32)
+    b_v = tl.load(p_v + node * s_vn, mask=mv & ok, other=0.0).to(tl.float32)
+    b_g = tl.load(p_g + node * HV, mask=ok, other=0.0).to(tl.float32)
+    b_b = tl.load(p_b + node * HV, mask=ok, other=0.0).to(tl.float32)
+    return b_q, b_k, b_v, b_g, b_b
+
+
+@triton.jit
 def _pick(vec, idx, i):
     """vec[i] for a register vector (Triton has no dynamic register indexing)."""
     return tl.sum(tl.where(idx == i, vec, 0), 0)
@@ -92,6 +103,18 @@ def tree_verify_kernel(
     vt = r % NV
     i_h = hv // (HV // H)
 
+    o_k = tl.arange(0, BK)
+    o_v = vt * BV + tl.arange(0, BV)
+    mk, mv = o_k < K, o_v < V
+    m_S = mk[:, None] & mv[None, :]
+    tile = o_k[:, None] * V + o_v[None, :]
+    p_S = state + (b * HV + hv).to(tl.int64) * K * V + tile
+    p_q = q + b.to(tl.int64) * s_qb + i_h * K + o_k
+    p_k = k + b.to(tl.int64) * s_kb + i_h * K + o_k
+    p_v = v + b.to(tl.int64) * s_vb + hv * V + o_v
+    p_g = g + b * n * HV + hv  # g and beta are contiguous [B, n, HV]
+    p_b = beta + b * n * HV + hv
+
     idx = tl.arange(0, NP)
     if HYBRID:
         prow = tl.load(parents + b * n + idx, mask=idx < n, other=-1).to(tl.int32)
@@ -107,6 +130,11 @@ def tree_verify_kernel(
         # its parent; its nodes, in index order, are node c's ancestors (parents precede children)
         prow = tl.load(parents + b * n + idx, mask=idx < real, other=-1).to(tl.int32)
         leaf = (c < real) & (tl.sum((prow == c).to(tl.int32), 0) == 0)
+        # a leaf's state tile is requested first, so its latency hides behind the path table
+        # below (loaded under the root test further down it waited for the table's barrier)
+        S_root = tl.load(p_S, mask=m_S & leaf, other=0.0)
+        node = tl.program_id(0) * 0  # every path starts at the root: its inputs are requested now too
+        b_q, b_k, b_v, b_g, b_b = _inputs(p_q, p_k, p_v, p_g, p_b, node, leaf, s_qn, s_kn, mk, mv, s_vn, HV)
         on = (tl.load(closure + (b * W + c).to(tl.int64) * W + idx, mask=(idx < real) & leaf, other=0.0) > 0) & \
             (idx < real)
         pos = tl.cumsum(on.to(tl.int32), 0) - 1
@@ -117,50 +145,39 @@ def tree_verify_kernel(
         tl.store(p_tab + idx, tl.sum(tl.where(on[None, :] & (pos[None, :] == idx[:, None]), idx[None, :], 0), 1))
         tl.debug_barrier()  # the table is visible to every thread of the program
         node_next = tl.load(p_tab + 1, mask=L > 1, other=0)
-        node = tl.program_id(0) * 0
     else:
         L = n
         if HAS_VALID:
             L = tl.minimum(tl.maximum(tl.load(valid + b).to(tl.int32), 0), n)
         node = tl.program_id(0) * 0  # a tensor, like the hybrid's: it is loop-carried
 
-    o_k = tl.arange(0, BK)
-    o_v = vt * BV + tl.arange(0, BV)
-    mk, mv = o_k < K, o_v < V
-    m_S = mk[:, None] & mv[None, :]
-    tile = o_k[:, None] * V + o_v[None, :]
-    p_S = state + (b * HV + hv).to(tl.int64) * K * V + tile
-
-    # the first node's inputs are requested before the state tile, so both loads overlap
-    p_q = q + b.to(tl.int64) * s_qb + i_h * K + o_k
-    p_k = k + b.to(tl.int64) * s_kb + i_h * K + o_k
-    p_v = v + b.to(tl.int64) * s_vb + hv * V + o_v
-    p_gb = b * n * HV + hv  # g and beta are contiguous [B, n, HV]
-    ok = node >= 0
-    b_q = tl.load(p_q + node * s_qn, mask=mk & ok, other=0.0).to(tl.float32)
-    b_k = tl.load(p_k + node * s_kn, mask=mk & ok, other=0.0).to(tl.float32)
-    b_v = tl.load(p_v + node * s_vn, mask=mv & ok, other=0.0).to(tl.float32)
-    b_g = tl.load(g + p_gb + node * HV, mask=ok, other=0.0).to(tl.float32)
-    b_b = tl.load(beta + p_gb + node * HV, mask=ok, other=0.0).to(tl.float32)
+    if not PATHS:  # the first node's inputs are requested before the state tile, so both loads overlap
+        b_q, b_k, b_v, b_g, b_b = _inputs(p_q, p_k, p_v, p_g, p_b, node, node >= 0, s_qn, s_kn, mk, mv, s_vn, HV)
 
     S = tl.zeros([BK, BV], dtype=tl.float32)
     start = node == 0
     if PATHS:
         start = start & (L > 0)  # a program whose node is no leaf walks nothing
+        # the pending write-back's count: taken before the walk, read after it (module paths.py)
+        loaded = tl.program_id(0) * 0 - 1
+        S_adv = S
     if start:  # this program starts at the root: it owns the durable tile
-        S = tl.load(p_S, mask=m_S, other=0.0)
+        if PATHS:
+            S = S_root
+        else:
+            S = tl.load(p_S, mask=m_S, other=0.0)
         if HAS_PENDING:
             S = advance_tile(S, b, hv, i_h, pk, pg, pu, plen, plen, P, P, o_k, mk, o_v, mv,
                              H, HV, K, V, PP, False)
             if tl.load(plen + b) > 0:  # an empty pending buffer leaves the state as it is
                 if PATHS:
                     # every path advanced its own copy of the tile; the last to have loaded it
-                    # writes it back (nobody reads the durable tile after that) and re-arms
-                    # the counter for the next launch
+                    # writes it back after its walk (nobody reads the durable tile after that)
+                    # and re-arms the counter for the next launch. The count is only read then,
+                    # so the atomic's round trip is not on the walk's critical path.
                     tl.debug_barrier()  # every thread's load of the tile is done
-                    if tl.atomic_add(counters + r, 1) == _leaves(prow, real, NP) - 1:
-                        tl.store(p_S, S, mask=m_S)
-                        tl.atomic_xchg(counters + r, 0)
+                    loaded = tl.atomic_add(counters + r, 1)
+                    S_adv = S
                 else:
                     tl.store(p_S, S, mask=m_S)
     if HYBRID:
@@ -180,11 +197,7 @@ def tree_verify_kernel(
         else:
             node = cur + 1
         ok = t + 1 < L
-        b_q = tl.load(p_q + node * s_qn, mask=mk & ok, other=0.0).to(tl.float32)
-        b_k = tl.load(p_k + node * s_kn, mask=mk & ok, other=0.0).to(tl.float32)
-        b_v = tl.load(p_v + node * s_vn, mask=mv & ok, other=0.0).to(tl.float32)
-        b_g = tl.load(g + p_gb + node * HV, mask=ok, other=0.0).to(tl.float32)
-        b_b = tl.load(beta + p_gb + node * HV, mask=ok, other=0.0).to(tl.float32)
+        b_q, b_k, b_v, b_g, b_b = _inputs(p_q, p_k, p_v, p_g, p_b, node, ok, s_qn, s_kn, mk, mv, s_vn, HV)
 
         if HYBRID:
             par = _pick(prow, idx, cur)
@@ -236,6 +249,10 @@ def tree_verify_kernel(
     if WRITE_FINAL:
         tl.store(p_S, S, mask=m_S)
     if PATHS:
+        if HAS_PENDING:
+            if loaded == _leaves(prow, real, NP) - 1:
+                tl.store(p_S, S_adv, mask=m_S)
+                tl.atomic_xchg(counters + r, 0)
         if HAS_VALID:  # a padding node: defined outputs (zeros), written by its own program
             if c >= real:
                 p_out = ((b * n + c) * HV + hv).to(tl.int64) * V + o_v
