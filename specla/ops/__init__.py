@@ -174,6 +174,18 @@ def ancestor_closure(parents, width=None):
     return schedule.ancestor_closure(parents, width)
 
 
+def path_tables(parents, valid=None):
+    """`schedule.path_tables`: one Triton launch (`gdn/closure.py`) where Triton runs, up to 64
+    nodes; torch ops elsewhere."""
+    if use_triton(parents) and parents.shape[1] <= 64:
+        from specla.ops.gdn import closure
+
+        return closure.path_tables(parents, valid)
+    from specla.ops.gdn import schedule
+
+    return schedule.path_tables(parents, valid)
+
+
 def gdn_commit(state, k, g, u, path, length):
     if not _gdn_triton(state):
         return gdn_ref.gdn_commit(state, k, g, u, path, length)

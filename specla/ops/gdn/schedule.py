@@ -13,6 +13,7 @@ host sync, so the same code runs inside a CUDA-graph capture and the schedule re
   for their overhead; `hld_schedule(..., fallback=True)` writes that serial pass as the row's
   single "chain", so the choice is data too.
 - `serial_boundaries`: the nodes a serial pass in index order must store a tile for.
+- `path_tables`: every leaf's root-to-leaf path (the path verifier's schedule).
 - `plan_for`: a per-parents-tensor cache of the above, so the 24 layers of one verify round
   build the plan once.
 """
@@ -43,6 +44,28 @@ def ancestor_closure(parents: torch.Tensor, width: int | None = None) -> torch.T
     if W > n:
         R = torch.nn.functional.pad(R, (0, W - n, 0, W - n))
     return R
+
+
+def path_tables(parents: torch.Tensor, valid: torch.Tensor | None = None):
+    """The path verifier's schedule: (table [B, n, TS] int32, length [B, n] int32, leaves [B]
+    int32), TS = next_power_of_2(n). Node c is a leaf when it is real (c < valid[b]) and no real
+    node's parent; table[b, c, :length[b, c]] lists its path root..c in index order (entries
+    past the length are unspecified); length is 0 for every other node; leaves counts the leaves.
+    """
+    B, n = parents.shape
+    dev = parents.device
+    idx = torch.arange(n, device=dev)
+    real = torch.full((B,), n, device=dev) if valid is None else valid.long().clamp(0, n)
+    live = idx[None] < real[:, None]
+    par = torch.where(live, parents.long(), -1)
+    on = (ancestor_closure(par) > 0) & live[:, None, :]
+    leaf = live & ~((par[:, :, None] == idx) & live[:, :, None]).any(1)
+    TS = 1 << max(0, n - 1).bit_length()
+    pos = torch.where(on & leaf[:, :, None], on.long().cumsum(2) - 1, TS)
+    table = torch.zeros(B, n, TS + 1, dtype=torch.int32, device=dev)
+    table.scatter_(2, pos, idx.int().expand(B, n, n).contiguous())
+    length = torch.where(leaf, on.sum(2), 0).int()
+    return table[:, :, :TS].contiguous(), length, leaf.sum(1).int()
 
 
 @dataclass
@@ -191,6 +214,7 @@ class Plan:
         self.captured = captured
         self._chain: bool | None = None
         self._closure: dict[int, torch.Tensor] = {}
+        self._paths: dict = {}
         self._hld: dict[bool, HybridSchedule] = {}
         self._boundaries: torch.Tensor | None = None
         self._prefer_serial: bool | None = None
@@ -222,6 +246,13 @@ class Plan:
         if width not in self._closure:
             self._closure[width] = ops.ancestor_closure(parents, width)
         return self._closure[width]
+
+    def paths(self, parents: torch.Tensor, valid: torch.Tensor | None):
+        """`path_tables` for these parents and `valid` (as it was when first asked)."""
+        key = None if valid is None else (valid.data_ptr(), valid._version)
+        if key not in self._paths:
+            self._paths[key] = ops.path_tables(parents, valid)
+        return self._paths[key]
 
     def hld(self, parents: torch.Tensor, fallback: bool = False) -> HybridSchedule:
         if fallback not in self._hld:

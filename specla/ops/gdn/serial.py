@@ -43,37 +43,17 @@ def _sum3(a0, b0, c0, a1, b1, c1):
 
 
 @triton.jit
-def _leaves(prow, real, NP: tl.constexpr):
-    """How many of the `real` nodes are no real node's parent (prow: the real nodes' parents,
-    -1 past them)."""
-    jdx = tl.arange(0, NP)
-    parent_of_some = tl.max((prow[:, None] == jdx[None, :]).to(tl.int32), 0)
-    return real - tl.sum(parent_of_some, 0)
-
-
-@triton.jit
-def _inputs(p_q, p_k, p_v, p_g, p_b, node, ok, s_qn, s_kn, mk, mv, s_vn, HV: tl.constexpr):
-    """A node's q, k, v, log-decay and beta (zeros where not ok), in fp32."""
-    b_q = tl.load(p_q + node * s_qn, mask=mk & ok, other=0.0).to(tl.float32)
-    b_k = tl.load(p_k + node * s_kn, mask=mk & ok, other=0.0).to(tl.float32)
-    b_v = tl.load(p_v + node * s_vn, mask=mv & ok, other=0.0).to(tl.float32)
-    b_g = tl.load(p_g + node * HV, mask=ok, other=0.0).to(tl.float32)
-    b_b = tl.load(p_b + node * HV, mask=ok, other=0.0).to(tl.float32)
-    return b_q, b_k, b_v, b_g, b_b
-
-
-@triton.jit
 def _pick(vec, idx, i):
     """vec[i] for a register vector (Triton has no dynamic register indexing)."""
     return tl.sum(tl.where(idx == i, vec, 0), 0)
 
 
-@triton.jit(do_not_specialize=["n", "P", "n_tiles", "W"])
+@triton.jit(do_not_specialize=["n", "P", "n_tiles"])
 def tree_verify_kernel(
     q, k, v, g, beta, state, o, u, parents, scratch,
     chain_nodes, chain_len, light, n_chains, flags,
-    pk, pg, pu, plen, valid, closure, counters,
-    scale, n, P, n_tiles, W,
+    pk, pg, pu, plen, valid, counters,
+    scale, n, P, n_tiles,
     s_qb, s_qn, s_kb, s_kn, s_vb, s_vn,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, NP: tl.constexpr, PP: tl.constexpr,
@@ -103,18 +83,6 @@ def tree_verify_kernel(
     vt = r % NV
     i_h = hv // (HV // H)
 
-    o_k = tl.arange(0, BK)
-    o_v = vt * BV + tl.arange(0, BV)
-    mk, mv = o_k < K, o_v < V
-    m_S = mk[:, None] & mv[None, :]
-    tile = o_k[:, None] * V + o_v[None, :]
-    p_S = state + (b * HV + hv).to(tl.int64) * K * V + tile
-    p_q = q + b.to(tl.int64) * s_qb + i_h * K + o_k
-    p_k = k + b.to(tl.int64) * s_kb + i_h * K + o_k
-    p_v = v + b.to(tl.int64) * s_vb + hv * V + o_v
-    p_g = g + b * n * HV + hv  # g and beta are contiguous [B, n, HV]
-    p_b = beta + b * n * HV + hv
-
     idx = tl.arange(0, NP)
     if HYBRID:
         prow = tl.load(parents + b * n + idx, mask=idx < n, other=-1).to(tl.int32)
@@ -123,61 +91,55 @@ def tree_verify_kernel(
         lrow = tl.load(light + b * n + idx, mask=idx < n, other=0)
         node = _pick(nrow, idx, 0)
     elif PATHS:
-        real = n  # real nodes of the row; padding past them
-        if HAS_VALID:
-            real = tl.minimum(tl.maximum(tl.load(valid + b).to(tl.int32), 0), n)
-        # program c walks the path root..c when c is a leaf: a real node no real node has for
-        # its parent; its nodes, in index order, are node c's ancestors (parents precede children)
-        prow = tl.load(parents + b * n + idx, mask=idx < real, other=-1).to(tl.int32)
-        leaf = (c < real) & (tl.sum((prow == c).to(tl.int32), 0) == 0)
-        # a leaf's state tile is requested first, so its latency hides behind the path table
-        # below (loaded under the root test further down it waited for the table's barrier)
-        S_root = tl.load(p_S, mask=m_S & leaf, other=0.0)
-        node = tl.program_id(0) * 0  # every path starts at the root: its inputs are requested now too
-        b_q, b_k, b_v, b_g, b_b = _inputs(p_q, p_k, p_v, p_g, p_b, node, leaf, s_qn, s_kn, mk, mv, s_vn, HV)
-        on = (tl.load(closure + (b * W + c).to(tl.int64) * W + idx, mask=(idx < real) & leaf, other=0.0) > 0) & \
-            (idx < real)
-        pos = tl.cumsum(on.to(tl.int32), 0) - 1
-        L = tl.sum(on.to(tl.int32), 0)  # nodes on the path; 0 when c is no leaf
-        # the path's node at each step, found once and read back as scalars: picking it out of
-        # registers took a cross-warp reduction a node (H200: 11.6 against a chain's 7.3 µs a layer)
-        p_tab = chain_nodes + (r * n + c).to(tl.int64) * NP
-        tl.store(p_tab + idx, tl.sum(tl.where(on[None, :] & (pos[None, :] == idx[:, None]), idx[None, :], 0), 1))
-        tl.debug_barrier()  # the table is visible to every thread of the program
+        # program c walks the path root..c when c is a leaf (`schedule.path_tables`, built once a
+        # round): its nodes, in index order, read back one node ahead as scalars
+        L = tl.load(chain_len + b * n + c)  # 0 when c is no leaf
+        p_tab = chain_nodes + (b * n + c).to(tl.int64) * NP
         node_next = tl.load(p_tab + 1, mask=L > 1, other=0)
+        node = tl.program_id(0) * 0
     else:
         L = n
         if HAS_VALID:
             L = tl.minimum(tl.maximum(tl.load(valid + b).to(tl.int32), 0), n)
         node = tl.program_id(0) * 0  # a tensor, like the hybrid's: it is loop-carried
 
-    if not PATHS:  # the first node's inputs are requested before the state tile, so both loads overlap
-        b_q, b_k, b_v, b_g, b_b = _inputs(p_q, p_k, p_v, p_g, p_b, node, node >= 0, s_qn, s_kn, mk, mv, s_vn, HV)
+    o_k = tl.arange(0, BK)
+    o_v = vt * BV + tl.arange(0, BV)
+    mk, mv = o_k < K, o_v < V
+    m_S = mk[:, None] & mv[None, :]
+    tile = o_k[:, None] * V + o_v[None, :]
+    p_S = state + (b * HV + hv).to(tl.int64) * K * V + tile
+
+    # the first node's inputs are requested before the state tile, so both loads overlap
+    p_q = q + b.to(tl.int64) * s_qb + i_h * K + o_k
+    p_k = k + b.to(tl.int64) * s_kb + i_h * K + o_k
+    p_v = v + b.to(tl.int64) * s_vb + hv * V + o_v
+    p_gb = b * n * HV + hv  # g and beta are contiguous [B, n, HV]
+    ok = node >= 0
+    b_q = tl.load(p_q + node * s_qn, mask=mk & ok, other=0.0).to(tl.float32)
+    b_k = tl.load(p_k + node * s_kn, mask=mk & ok, other=0.0).to(tl.float32)
+    b_v = tl.load(p_v + node * s_vn, mask=mv & ok, other=0.0).to(tl.float32)
+    b_g = tl.load(g + p_gb + node * HV, mask=ok, other=0.0).to(tl.float32)
+    b_b = tl.load(beta + p_gb + node * HV, mask=ok, other=0.0).to(tl.float32)
 
     S = tl.zeros([BK, BV], dtype=tl.float32)
     start = node == 0
     if PATHS:
         start = start & (L > 0)  # a program whose node is no leaf walks nothing
-        # the pending write-back's count: taken before the walk, read after it (module paths.py)
-        loaded = tl.program_id(0) * 0 - 1
-        S_adv = S
     if start:  # this program starts at the root: it owns the durable tile
-        if PATHS:
-            S = S_root
-        else:
-            S = tl.load(p_S, mask=m_S, other=0.0)
+        S = tl.load(p_S, mask=m_S, other=0.0)
         if HAS_PENDING:
             S = advance_tile(S, b, hv, i_h, pk, pg, pu, plen, plen, P, P, o_k, mk, o_v, mv,
                              H, HV, K, V, PP, False)
             if tl.load(plen + b) > 0:  # an empty pending buffer leaves the state as it is
                 if PATHS:
                     # every path advanced its own copy of the tile; the last to have loaded it
-                    # writes it back after its walk (nobody reads the durable tile after that)
-                    # and re-arms the counter for the next launch. The count is only read then,
-                    # so the atomic's round trip is not on the walk's critical path.
+                    # writes it back (nobody reads the durable tile after that) and re-arms
+                    # the counter for the next launch
                     tl.debug_barrier()  # every thread's load of the tile is done
-                    loaded = tl.atomic_add(counters + r, 1)
-                    S_adv = S
+                    if tl.atomic_add(counters + r, 1) == tl.load(n_chains + b) - 1:
+                        tl.store(p_S, S, mask=m_S)
+                        tl.atomic_xchg(counters + r, 0)
                 else:
                     tl.store(p_S, S, mask=m_S)
     if HYBRID:
@@ -197,7 +159,11 @@ def tree_verify_kernel(
         else:
             node = cur + 1
         ok = t + 1 < L
-        b_q, b_k, b_v, b_g, b_b = _inputs(p_q, p_k, p_v, p_g, p_b, node, ok, s_qn, s_kn, mk, mv, s_vn, HV)
+        b_q = tl.load(p_q + node * s_qn, mask=mk & ok, other=0.0).to(tl.float32)
+        b_k = tl.load(p_k + node * s_kn, mask=mk & ok, other=0.0).to(tl.float32)
+        b_v = tl.load(p_v + node * s_vn, mask=mv & ok, other=0.0).to(tl.float32)
+        b_g = tl.load(g + p_gb + node * HV, mask=ok, other=0.0).to(tl.float32)
+        b_b = tl.load(beta + p_gb + node * HV, mask=ok, other=0.0).to(tl.float32)
 
         if HYBRID:
             par = _pick(prow, idx, cur)
@@ -249,12 +215,8 @@ def tree_verify_kernel(
     if WRITE_FINAL:
         tl.store(p_S, S, mask=m_S)
     if PATHS:
-        if HAS_PENDING:
-            if loaded == _leaves(prow, real, NP) - 1:
-                tl.store(p_S, S_adv, mask=m_S)
-                tl.atomic_xchg(counters + r, 0)
         if HAS_VALID:  # a padding node: defined outputs (zeros), written by its own program
-            if c >= real:
+            if c >= tl.minimum(tl.maximum(tl.load(valid + b).to(tl.int32), 0), n):
                 p_out = ((b * n + c) * HV + hv).to(tl.int64) * V + o_v
                 tl.store(o + p_out, tl.zeros([BV], dtype=tl.float32), mask=mv)
                 if STORE_U:
@@ -276,8 +238,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def launch(q, k, v, g, beta, state, parents, scale, pending, *, grid, tree, hybrid=None, paths=None,
            store_u=True, write_final=False, valid=None, block_v, num_warps):
-    """Allocate outputs and run `tree_verify_kernel`; returns (o, u). paths: (closure [B, W, W],
-    counters) for the path-per-program mode (paths.py)."""
+    """Allocate outputs and run `tree_verify_kernel`; returns (o, u). paths: (table, length,
+    leaves, counters) for the path-per-program mode (paths.py, `schedule.path_tables`)."""
     B, n, HV, V = v.shape
     H, K = k.shape[2], k.shape[3]
     dev = state.device
@@ -291,15 +253,14 @@ def launch(q, k, v, g, beta, state, parents, scale, pending, *, grid, tree, hybr
         sched = hybrid
     elif tree and paths is None:
         sched = (parents, parents, plan_for(parents).serial_boundaries(parents), parents, parents)
-    elif paths is not None:  # each program's path table (written and read by the program itself)
-        NP = triton.next_power_of_2(n)
-        sched = (torch.empty(grid[0] * n * NP, dtype=torch.int32, device=dev),) + (parents,) * 4
+    elif paths is not None:  # the paths, their lengths and the leaf count in the hybrid's slots
+        sched = (paths[0], paths[1], parents, paths[2], parents)
     else:
         sched = (parents,) * 5
     tree_verify_kernel[grid](
         q, k, v, g.contiguous(), beta.contiguous(), state, o, u, parents, scratch, *sched,
-        pk, pg, pu, plen, plen if valid is None else valid, *(paths or (o, o)),
-        scale, n, P, B * HV * triton.cdiv(V, block_v), 1 if paths is None else paths[0].shape[2],
+        pk, pg, pu, plen, plen if valid is None else valid, o if paths is None else paths[3],
+        scale, n, P, B * HV * triton.cdiv(V, block_v),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=block_v, NV=triton.cdiv(V, block_v),
         NP=triton.next_power_of_2(n) if tree else 1, PP=PP, TREE=tree and paths is None,
