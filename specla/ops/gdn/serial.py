@@ -92,10 +92,12 @@ def tree_verify_kernel(
         node = _pick(nrow, idx, 0)
     elif PATHS:
         # program c walks the path root..c when c is a leaf (`schedule.path_tables`, built once a
-        # round): its nodes, in index order, read back one node ahead as scalars
+        # round): its nodes, in index order, read back as scalars two nodes ahead, so a node's
+        # input loads never wait for the load of its index
         L = tl.load(chain_len + b * n + c)  # 0 when c is no leaf
         p_tab = chain_nodes + (b * n + c).to(tl.int64) * NP
         node_next = tl.load(p_tab + 1, mask=L > 1, other=0)
+        node_after = tl.load(p_tab + 2, mask=L > 2, other=0)
         node = tl.program_id(0) * 0
     else:
         L = n
@@ -153,9 +155,10 @@ def tree_verify_kernel(
         # prefetch the next node's inputs; they do not depend on the state
         if HYBRID:
             node = _pick(nrow, idx, t + 1)
-        elif PATHS:  # read one node ahead, so the load's latency hides behind a node's work
+        elif PATHS:
             node = node_next
-            node_next = tl.load(p_tab + t + 2, mask=t + 2 < L, other=0)
+            node_next = node_after
+            node_after = tl.load(p_tab + t + 3, mask=t + 3 < L, other=0)
         else:
             node = cur + 1
         ok = t + 1 < L
