@@ -442,3 +442,19 @@ def test_bench_prefill_on_emulated_graphs(tmp_path, monkeypatch):
     r = subprocess.run([sys.executable, "-m", "specla.cli", "bench", "prefill", "--device", "cpu"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "--device cuda" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_path_verify_diagnostic_tree_is_what_it_says():
+    """path_verify.py's tree: 17 nodes, 8 leaves, its longest path the 9-node chain's length."""
+    import importlib.util
+    from pathlib import Path
+
+    from specla.ops.gdn import schedule
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks/diagnostics/path_verify.py"
+    spec = importlib.util.spec_from_file_location("path_verify", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert all(p < j for j, p in enumerate(mod.TREE)) and len(mod.TREE) == 17
+    _, length, leaves = schedule.path_tables(torch.tensor([mod.TREE]))
+    assert int(leaves[0]) == 8 and int(length.max()) == len(mod.CHAIN9) == 9
