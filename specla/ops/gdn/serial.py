@@ -43,6 +43,17 @@ def _sum3(a0, b0, c0, a1, b1, c1):
 
 
 @triton.jit
+def _inputs(p_q, p_k, p_v, p_g, p_b, node, ok, s_qn, s_kn, s_vn, mk, mv, HV: tl.constexpr):
+    """A node's q, k, v, log-decay and beta in fp32 (zeros where not ok)."""
+    b_q = tl.load(p_q + node * s_qn, mask=mk & ok, other=0.0).to(tl.float32)
+    b_k = tl.load(p_k + node * s_kn, mask=mk & ok, other=0.0).to(tl.float32)
+    b_v = tl.load(p_v + node * s_vn, mask=mv & ok, other=0.0).to(tl.float32)
+    b_g = tl.load(p_g + node * HV, mask=ok, other=0.0).to(tl.float32)
+    b_b = tl.load(p_b + node * HV, mask=ok, other=0.0).to(tl.float32)
+    return b_q, b_k, b_v, b_g, b_b
+
+
+@triton.jit
 def _pick(vec, idx, i):
     """vec[i] for a register vector (Triton has no dynamic register indexing)."""
     return tl.sum(tl.where(idx == i, vec, 0), 0)
@@ -116,13 +127,14 @@ def tree_verify_kernel(
     p_q = q + b.to(tl.int64) * s_qb + i_h * K + o_k
     p_k = k + b.to(tl.int64) * s_kb + i_h * K + o_k
     p_v = v + b.to(tl.int64) * s_vb + hv * V + o_v
-    p_gb = b * n * HV + hv  # g and beta are contiguous [B, n, HV]
-    ok = node >= 0
-    b_q = tl.load(p_q + node * s_qn, mask=mk & ok, other=0.0).to(tl.float32)
-    b_k = tl.load(p_k + node * s_kn, mask=mk & ok, other=0.0).to(tl.float32)
-    b_v = tl.load(p_v + node * s_vn, mask=mv & ok, other=0.0).to(tl.float32)
-    b_g = tl.load(g + p_gb + node * HV, mask=ok, other=0.0).to(tl.float32)
-    b_b = tl.load(beta + p_gb + node * HV, mask=ok, other=0.0).to(tl.float32)
+    p_g = g + b * n * HV + hv  # g and beta are contiguous [B, n, HV]
+    p_b = beta + b * n * HV + hv
+    b_q, b_k, b_v, b_g, b_b = _inputs(p_q, p_k, p_v, p_g, p_b, node, node >= 0, s_qn, s_kn, s_vn, mk, mv, HV)
+    if PATHS:
+        # a path's node index comes from memory (a chain's is t): with one node of prefetch a
+        # node's input loads could only start once its index arrived, so the walk keeps two
+        # nodes' inputs in flight (c5f8ef0 and this: not yet timed on a GPU)
+        d_q, d_k, d_v, d_g, d_b = _inputs(p_q, p_k, p_v, p_g, p_b, node_next, L > 1, s_qn, s_kn, s_vn, mk, mv, HV)
 
     S = tl.zeros([BK, BV], dtype=tl.float32)
     start = node == 0
@@ -162,11 +174,12 @@ def tree_verify_kernel(
         else:
             node = cur + 1
         ok = t + 1 < L
-        b_q = tl.load(p_q + node * s_qn, mask=mk & ok, other=0.0).to(tl.float32)
-        b_k = tl.load(p_k + node * s_kn, mask=mk & ok, other=0.0).to(tl.float32)
-        b_v = tl.load(p_v + node * s_vn, mask=mv & ok, other=0.0).to(tl.float32)
-        b_g = tl.load(g + p_gb + node * HV, mask=ok, other=0.0).to(tl.float32)
-        b_b = tl.load(beta + p_gb + node * HV, mask=ok, other=0.0).to(tl.float32)
+        if PATHS:  # node t + 1's inputs were requested a node ago; request node t + 2's
+            b_q, b_k, b_v, b_g, b_b = d_q, d_k, d_v, d_g, d_b
+            d_q, d_k, d_v, d_g, d_b = _inputs(p_q, p_k, p_v, p_g, p_b, node_next, t + 2 < L, s_qn, s_kn, s_vn,
+                                              mk, mv, HV)
+        else:
+            b_q, b_k, b_v, b_g, b_b = _inputs(p_q, p_k, p_v, p_g, p_b, node, ok, s_qn, s_kn, s_vn, mk, mv, HV)
 
         if HYBRID:
             par = _pick(prow, idx, cur)
