@@ -67,7 +67,7 @@ TILING = _tiling_from_env()
 CAPTURED_SERIAL_MAX_NODES = 24
 PARALLEL_MAX_NODES = 32
 # the path-parallel verifier while its (V-tile, node) programs fit on the GPU at once (paths.py)
-PATHS_MAX_NODES = 64  # the widest ancestor closure its launch builds (`ops.ancestor_closure`)
+PATHS_MAX_NODES = 64  # the widest topology its path tables take (`ops.path_tables`)
 PATHS_MAX_PROGRAMS = 512
 TREE_VERIFIER = os.environ.get("SPECLA_TREE_VERIFIER", "auto")
 if TREE_VERIFIER not in ("auto", "paths", "parallel", "serial", "hybrid"):
