@@ -4,7 +4,7 @@ The serial verifier's inner loop (`serial.tree_verify_kernel`, PATHS mode) run o
 program (tile, c) walks the nodes root..c in order when c is a leaf, with the state tile
 resident, and computes every node exactly as an AR step or a chain verify would: the same
 update (`decay_update`), the same reduction over K, the same tiling. The paths are listed once a
-round for every layer (`schedule.path_tables`, one launch) and read two nodes ahead. A node
+round for every layer (`schedule.path_tables`, one launch) and read one node ahead. A node
 shared by several paths is computed by each of them, with the same bits, and written by each.
 Nothing is restored or waited for. Its outputs are bitwise those of the serial pass, so bf16 trees emit
 AR's tokens (H200, demo pair: 480 / 480 prompts, 81–89% on the parallel verifier, whose closed

@@ -43,17 +43,6 @@ def _sum3(a0, b0, c0, a1, b1, c1):
 
 
 @triton.jit
-def _inputs(p_q, p_k, p_v, p_g, p_b, node, ok, s_qn, s_kn, s_vn, mk, mv, HV: tl.constexpr):
-    """A node's q, k, v, log-decay and beta in fp32 (zeros where not ok)."""
-    b_q = tl.load(p_q + node * s_qn, mask=mk & ok, other=0.0).to(tl.float32)
-    b_k = tl.load(p_k + node * s_kn, mask=mk & ok, other=0.0).to(tl.float32)
-    b_v = tl.load(p_v + node * s_vn, mask=mv & ok, other=0.0).to(tl.float32)
-    b_g = tl.load(p_g + node * HV, mask=ok, other=0.0).to(tl.float32)
-    b_b = tl.load(p_b + node * HV, mask=ok, other=0.0).to(tl.float32)
-    return b_q, b_k, b_v, b_g, b_b
-
-
-@triton.jit
 def _pick(vec, idx, i):
     """vec[i] for a register vector (Triton has no dynamic register indexing)."""
     return tl.sum(tl.where(idx == i, vec, 0), 0)
@@ -103,12 +92,10 @@ def tree_verify_kernel(
         node = _pick(nrow, idx, 0)
     elif PATHS:
         # program c walks the path root..c when c is a leaf (`schedule.path_tables`, built once a
-        # round): its nodes, in index order, read back as scalars two nodes ahead, so a node's
-        # input loads never wait for the load of its index
+        # round): its nodes, in index order, read back one node ahead as scalars
         L = tl.load(chain_len + b * n + c)  # 0 when c is no leaf
         p_tab = chain_nodes + (b * n + c).to(tl.int64) * NP
         node_next = tl.load(p_tab + 1, mask=L > 1, other=0)
-        node_after = tl.load(p_tab + 2, mask=L > 2, other=0)
         node = tl.program_id(0) * 0
     else:
         L = n
@@ -127,14 +114,13 @@ def tree_verify_kernel(
     p_q = q + b.to(tl.int64) * s_qb + i_h * K + o_k
     p_k = k + b.to(tl.int64) * s_kb + i_h * K + o_k
     p_v = v + b.to(tl.int64) * s_vb + hv * V + o_v
-    p_g = g + b * n * HV + hv  # g and beta are contiguous [B, n, HV]
-    p_b = beta + b * n * HV + hv
-    b_q, b_k, b_v, b_g, b_b = _inputs(p_q, p_k, p_v, p_g, p_b, node, node >= 0, s_qn, s_kn, s_vn, mk, mv, HV)
-    if PATHS:
-        # a path's node index comes from memory (a chain's is t): with one node of prefetch a
-        # node's input loads could only start once its index arrived, so the walk keeps two
-        # nodes' inputs in flight (c5f8ef0 and this: not yet timed on a GPU)
-        d_q, d_k, d_v, d_g, d_b = _inputs(p_q, p_k, p_v, p_g, p_b, node_next, L > 1, s_qn, s_kn, s_vn, mk, mv, HV)
+    p_gb = b * n * HV + hv  # g and beta are contiguous [B, n, HV]
+    ok = node >= 0
+    b_q = tl.load(p_q + node * s_qn, mask=mk & ok, other=0.0).to(tl.float32)
+    b_k = tl.load(p_k + node * s_kn, mask=mk & ok, other=0.0).to(tl.float32)
+    b_v = tl.load(p_v + node * s_vn, mask=mv & ok, other=0.0).to(tl.float32)
+    b_g = tl.load(g + p_gb + node * HV, mask=ok, other=0.0).to(tl.float32)
+    b_b = tl.load(beta + p_gb + node * HV, mask=ok, other=0.0).to(tl.float32)
 
     S = tl.zeros([BK, BV], dtype=tl.float32)
     start = node == 0
@@ -167,19 +153,17 @@ def tree_verify_kernel(
         # prefetch the next node's inputs; they do not depend on the state
         if HYBRID:
             node = _pick(nrow, idx, t + 1)
-        elif PATHS:
+        elif PATHS:  # read one node ahead, so the load's latency hides behind a node's work
             node = node_next
-            node_next = node_after
-            node_after = tl.load(p_tab + t + 3, mask=t + 3 < L, other=0)
+            node_next = tl.load(p_tab + t + 2, mask=t + 2 < L, other=0)
         else:
             node = cur + 1
         ok = t + 1 < L
-        if PATHS:  # node t + 1's inputs were requested a node ago; request node t + 2's
-            b_q, b_k, b_v, b_g, b_b = d_q, d_k, d_v, d_g, d_b
-            d_q, d_k, d_v, d_g, d_b = _inputs(p_q, p_k, p_v, p_g, p_b, node_next, t + 2 < L, s_qn, s_kn, s_vn,
-                                              mk, mv, HV)
-        else:
-            b_q, b_k, b_v, b_g, b_b = _inputs(p_q, p_k, p_v, p_g, p_b, node, ok, s_qn, s_kn, s_vn, mk, mv, HV)
+        b_q = tl.load(p_q + node * s_qn, mask=mk & ok, other=0.0).to(tl.float32)
+        b_k = tl.load(p_k + node * s_kn, mask=mk & ok, other=0.0).to(tl.float32)
+        b_v = tl.load(p_v + node * s_vn, mask=mv & ok, other=0.0).to(tl.float32)
+        b_g = tl.load(g + p_gb + node * HV, mask=ok, other=0.0).to(tl.float32)
+        b_b = tl.load(beta + p_gb + node * HV, mask=ok, other=0.0).to(tl.float32)
 
         if HYBRID:
             par = _pick(prow, idx, cur)
