@@ -111,8 +111,8 @@ def measure(b: Bench, tiling: dict) -> dict:
     res = {}
     for name, fn in cases(b, tiling).items():
         per = 1 if name == "path_tables" else b.layers
-        # the path verifier's plan is cached on the parents tensor: a fresh tensor per case, so
-        # each graph captures its own table launch, once (as a round does)
+        # the path verifier's plan is cached on the parents tensor and rebuilt by the capture's
+        # eager warm-up, so each graph holds its own table launch, once (as a round does)
         res[name] = graph_time_ms(fn, b.cuda) * 1e3 / per
     return res
 
