@@ -15,6 +15,17 @@ import torch
 import triton
 import triton.language as tl
 
+from specla.ops.gdn.commit import real_nodes
+
+
+@triton.jit
+def _closure(par, rows, live, STEPS: tl.constexpr):
+    """[NP, NP] fp16 0/1: row c holds c and its ancestors (live rows only), by squaring."""
+    m = (live[:, None] & ((rows[None, :] == rows[:, None]) | (rows[None, :] == par[:, None]))).to(tl.float16)
+    for _ in tl.static_range(STEPS):
+        m = tl.minimum(tl.dot(m, m, out_dtype=tl.float32), 1.0).to(tl.float16)
+    return m
+
 
 @triton.jit
 def _closure_kernel(parents, out, n, W, NP: tl.constexpr, STEPS: tl.constexpr):
@@ -22,10 +33,7 @@ def _closure_kernel(parents, out, n, W, NP: tl.constexpr, STEPS: tl.constexpr):
     rows = tl.arange(0, NP)
     live = rows < n
     par = tl.load(parents + b * n + rows, mask=live, other=-1)
-    r = live[:, None] & ((rows[None, :] == rows[:, None]) | (rows[None, :] == par[:, None]))
-    m = r.to(tl.float16)
-    for _ in tl.static_range(STEPS):
-        m = tl.minimum(tl.dot(m, m, out_dtype=tl.float32), 1.0).to(tl.float16)
+    m = _closure(par, rows, live, STEPS)
     offs = b * W * W + rows[:, None] * W + rows[None, :]
     tl.store(out + offs, m.to(tl.float32), mask=(rows[:, None] < W) & (rows[None, :] < W))
 
@@ -49,13 +57,10 @@ def _paths_kernel(parents, valid, table, path_len, n_leaves, n, NP: tl.constexpr
     rows = tl.arange(0, NP)
     real = n
     if HAS_VALID:
-        real = tl.minimum(tl.maximum(tl.load(valid + b).to(tl.int32), 0), n)
+        real = real_nodes(valid, b, n)
     live = rows < real
     par = tl.load(parents + b * n + rows, mask=live, other=-1).to(tl.int32)
-    m = (live[:, None] & ((rows[None, :] == rows[:, None]) | (rows[None, :] == par[:, None]))).to(tl.float16)
-    for _ in tl.static_range(STEPS):
-        m = tl.minimum(tl.dot(m, m, out_dtype=tl.float32), 1.0).to(tl.float16)
-    on = (m > 0) & live[None, :]  # [c, i]: real node i is c or one of its ancestors
+    on = (_closure(par, rows, live, STEPS) > 0) & live[None, :]  # [c, i]: real node i is c or one of its ancestors
     leaf = live & (tl.max((par[:, None] == rows[None, :]).to(tl.int32), 0) == 0)
     pos = tl.cumsum(on.to(tl.int32), 1) - 1
     tl.store(table + (b * n + rows[:, None]) * TS + pos, rows[None, :] + 0 * pos, mask=on & leaf[:, None])

@@ -28,6 +28,13 @@ def decay_update(S, gamma, k, u):
 
 
 @triton.jit
+def real_nodes(valid, b, n):
+    """Row b's real nodes: valid[b] clamped into [0, n] (the rest is a fixed-width verify's
+    padding); shared by the verifiers and the path tables."""
+    return tl.minimum(tl.maximum(tl.load(valid + b).to(tl.int32), 0), n)
+
+
+@triton.jit
 def _factor(path, g, b, hv, p, P, n_live, n_src, HV: tl.constexpr, HAS_PATH: tl.constexpr):
     """Factor p of row b: its source row (path[b, p] clamped into range, or p without a path),
     whether it is live (p < length[b]), and its log-decay (0 when not live)."""

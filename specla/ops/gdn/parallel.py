@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specla.ops.gdn.commit import pending_args
+from specla.ops.gdn.commit import pending_args, real_nodes
 from specla.ops.gdn.schedule import plan_for
 from specla.ops.gdn.serial import _rows
 
@@ -66,7 +66,7 @@ def _parallel_verify_kernel(
     rows = tl.arange(0, NT)
     n_real = n
     if HAS_VALID:
-        n_real = tl.minimum(tl.maximum(tl.load(valid + b).to(tl.int32), 0), n)
+        n_real = real_nodes(valid, b, n)
     live = rows < n
     o_v = vt * BV + tl.arange(0, BV)
     mv = o_v < V

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specla.ops.gdn.commit import advance_tile, decay_update, pending_args
+from specla.ops.gdn.commit import advance_tile, decay_update, pending_args, real_nodes
 from specla.ops.gdn.schedule import plan_for
 
 
@@ -100,7 +100,7 @@ def tree_verify_kernel(
     else:
         L = n
         if HAS_VALID:
-            L = tl.minimum(tl.maximum(tl.load(valid + b).to(tl.int32), 0), n)
+            L = real_nodes(valid, b, n)
         node = tl.program_id(0) * 0  # a tensor, like the hybrid's: it is loop-carried
 
     o_k = tl.arange(0, BK)
@@ -216,7 +216,7 @@ def tree_verify_kernel(
         tl.store(p_S, S, mask=m_S)
     if PATHS:
         if HAS_VALID:  # a padding node: defined outputs (zeros), written by its own program
-            if c >= tl.minimum(tl.maximum(tl.load(valid + b).to(tl.int32), 0), n):
+            if c >= real_nodes(valid, b, n):
                 p_out = ((b * n + c) * HV + hv).to(tl.int64) * V + o_v
                 tl.store(o + p_out, tl.zeros([BV], dtype=tl.float32), mask=mv)
                 if STORE_U:
