@@ -63,9 +63,12 @@ def _paths_kernel(parents, valid, table, path_len, n_leaves, n, NP: tl.constexpr
     on = (_closure(par, rows, live, STEPS) > 0) & live[None, :]  # [c, i]: real node i is c or one of its ancestors
     leaf = live & (tl.max((par[:, None] == rows[None, :]).to(tl.int32), 0) == 0)
     pos = tl.cumsum(on.to(tl.int32), 1) - 1
-    tl.store(table + (b * n + rows[:, None]) * TS + pos, rows[None, :] + 0 * pos, mask=on & leaf[:, None])
-    tl.store(path_len + b * n + rows, tl.where(leaf, tl.sum(on.to(tl.int32), 1), 0), mask=rows < n)
-    tl.store(n_leaves + b, tl.sum(leaf.to(tl.int32), 0))
+    slot = tl.cumsum(leaf.to(tl.int32), 0) - 1  # leaf c's row: the leaves before it
+    count = tl.sum(leaf.to(tl.int32), 0)
+    tl.store(table + (b * n + slot[:, None]) * TS + pos, rows[None, :] + 0 * pos, mask=on & leaf[:, None])
+    tl.store(path_len + b * n + slot, tl.sum(on.to(tl.int32), 1), mask=leaf)
+    tl.store(path_len + b * n + rows, 0 * rows, mask=(rows >= count) & (rows < n))
+    tl.store(n_leaves + b, count)
 
 
 def path_tables(parents: torch.Tensor, valid: torch.Tensor | None = None):

@@ -1,7 +1,7 @@
 """Path-parallel tree verifier: every root-to-leaf path walked by a program of its own.
 
 The serial verifier's inner loop (`serial.tree_verify_kernel`, PATHS mode) run once per leaf:
-program (tile, c) walks the nodes root..c in order when c is a leaf, with the state tile
+program (tile, c) walks the c-th leaf's nodes root..leaf in order, with the state tile
 resident, and computes every node exactly as an AR step or a chain verify would: the same
 update (`decay_update`), the same reduction over K, the same tiling. The paths are listed once a
 round for every layer (`schedule.path_tables`, one launch) and read one node ahead. A node
@@ -16,9 +16,11 @@ tiles × nodes: the dispatch (`ops.gdn_tree_verify`) sends a tree here only whil
 small against the GPU (`ops.PATHS_MAX_PROGRAMS`); at the paper's shape (128 tiles a row) the
 parallel and serial verifiers already fill it.
 
-The pending (delayed) update is applied by every path to its own copy of the root tile; the
-durable tile is written back by whichever path loaded it last (a per-tile counter, reset by
-that program, `ops.counters`), so no path reads a tile another has already advanced.
+The tables list the leaves first, so the walking programs lead the grid and the programs past
+the leaves, which only exit, come last. The pending (delayed) update is applied by every path to
+its own copy of the root tile; the durable tile is written back, after its walk, by whichever
+path loaded it last (a per-tile counter, reset by that program, `ops.counters`), so no path
+reads a tile another has already advanced.
 """
 
 from __future__ import annotations

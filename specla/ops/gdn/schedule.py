@@ -48,9 +48,11 @@ def ancestor_closure(parents: torch.Tensor, width: int | None = None) -> torch.T
 
 def path_tables(parents: torch.Tensor, valid: torch.Tensor | None = None):
     """The path verifier's schedule: (table [B, n, TS] int32, length [B, n] int32, leaves [B]
-    int32), TS = next_power_of_2(n). Node c is a leaf when it is real (c < valid[b]) and no real
-    node's parent; table[b, c, :length[b, c]] lists its path root..c in index order (entries
-    past the length are unspecified); length is 0 for every other node; leaves counts the leaves.
+    int32), TS = next_power_of_2(n), in leaf order. Node c is a leaf when it is real (c < valid[b])
+    and no real node's parent; row j < leaves[b] describes the j-th leaf by index:
+    table[b, j, :length[b, j]] lists its path root..leaf in index order (entries past the length
+    are unspecified); length is 0 in the rows past the leaves. Leaf order puts the verifier's
+    walking programs first in its grid (the GPU hands blocks out in order).
     """
     B, n = parents.shape
     dev = parents.device
@@ -65,7 +67,9 @@ def path_tables(parents: torch.Tensor, valid: torch.Tensor | None = None):
     table = torch.zeros(B, n, TS + 1, dtype=torch.int32, device=dev)
     table.scatter_(2, pos, idx.int().expand(B, n, n).contiguous())
     length = torch.where(leaf, on.sum(2), 0).int()
-    return table[:, :, :TS].contiguous(), length, leaf.sum(1).int()
+    order = torch.argsort((~leaf).int(), dim=1, stable=True)  # leaves first, by index
+    table = table[:, :, :TS].gather(1, order[:, :, None].expand(B, n, TS))
+    return table.contiguous(), length.gather(1, order).contiguous(), leaf.sum(1).int()
 
 
 @dataclass

@@ -62,7 +62,7 @@ def tree_verify_kernel(
 ):
     """TREE=False: nodes form a chain (parents ignored). TREE, not HYBRID: all n nodes in one
     program per tile (serial verifier). HYBRID: one program per (chain, tile), see hybrid.py.
-    PATHS: one program per (tile, node), walking root..node if the node is a leaf (paths.py)."""
+    PATHS: one program per (tile, table row), walking the row's leaf path if it has one (paths.py)."""
     if PATHS:
         c = tl.program_id(1)
         r = tl.program_id(0)
@@ -91,9 +91,9 @@ def tree_verify_kernel(
         lrow = tl.load(light + b * n + idx, mask=idx < n, other=0)
         node = _pick(nrow, idx, 0)
     elif PATHS:
-        # program c walks the path root..c when c is a leaf (`schedule.path_tables`, built once a
-        # round): its nodes, in index order, read back one node ahead as scalars
-        L = tl.load(chain_len + b * n + c)  # 0 when c is no leaf
+        # program c walks the c-th leaf's path root..leaf (`schedule.path_tables`, built once a
+        # round, leaves first): its nodes, in index order, read back one node ahead as scalars
+        L = tl.load(chain_len + b * n + c)  # 0 past the leaves
         p_tab = chain_nodes + (b * n + c).to(tl.int64) * NP
         node_next = tl.load(p_tab + 1, mask=L > 1, other=0)
         node = tl.program_id(0) * 0
@@ -122,24 +122,31 @@ def tree_verify_kernel(
     b_g = tl.load(g + p_gb + node * HV, mask=ok, other=0.0).to(tl.float32)
     b_b = tl.load(beta + p_gb + node * HV, mask=ok, other=0.0).to(tl.float32)
 
-    S = tl.zeros([BK, BV], dtype=tl.float32)
-    start = node == 0
     if PATHS:
-        start = start & (L > 0)  # a program whose node is no leaf walks nothing
-    if start:  # this program starts at the root: it owns the durable tile
+        # requested before the program knows whether it walks (L), so the two loads overlap;
+        # the programs past the leaves come last in the grid and only touch it in L2
         S = tl.load(p_S, mask=m_S, other=0.0)
+        start = L > 0
+    else:
+        S = tl.zeros([BK, BV], dtype=tl.float32)
+        start = node == 0
+    ticket = L * 0 - 1
+    root = S
+    if start:  # this program starts at the root: it owns the durable tile
+        if not PATHS:
+            S = tl.load(p_S, mask=m_S, other=0.0)
         if HAS_PENDING:
             S = advance_tile(S, b, hv, i_h, pk, pg, pu, plen, plen, P, P, o_k, mk, o_v, mv,
                              H, HV, K, V, PP, False)
             if tl.load(plen + b) > 0:  # an empty pending buffer leaves the state as it is
                 if PATHS:
                     # every path advanced its own copy of the tile; the last to have loaded it
-                    # writes it back (nobody reads the durable tile after that) and re-arms
-                    # the counter for the next launch
+                    # writes it back after its walk (nobody reads the durable tile then). A
+                    # release increment: it orders this program's load of the tile before it
+                    # without holding the walk's loads behind the atomic's round trip.
                     tl.debug_barrier()  # every thread's load of the tile is done
-                    if tl.atomic_add(counters + r, 1) == tl.load(n_chains + b) - 1:
-                        tl.store(p_S, S, mask=m_S)
-                        tl.atomic_xchg(counters + r, 0)
+                    ticket = tl.atomic_add(counters + r, 1, sem="release")
+                    root = S
                 else:
                     tl.store(p_S, S, mask=m_S)
     if HYBRID:
@@ -215,6 +222,9 @@ def tree_verify_kernel(
     if WRITE_FINAL:
         tl.store(p_S, S, mask=m_S)
     if PATHS:
+        if ticket == tl.load(n_chains + b) - 1:  # the last path to load the tile: write it back,
+            tl.store(p_S, root, mask=m_S)         # re-arm the counter for the next launch
+            tl.atomic_xchg(counters + r, 0, sem="relaxed")
         if HAS_VALID:  # a padding node: defined outputs (zeros), written by its own program
             if c >= real_nodes(valid, b, n):
                 p_out = ((b * n + c) * HV + hv).to(tl.int64) * V + o_v
