@@ -27,7 +27,7 @@ import torch
 from specla import acceptance, fused, graphs, ops
 from specla.drafters.base import pad_draft
 from specla.model import Model, ModelOutput
-from specla.state import Cache, GDNLayerState
+from specla.state import Cache, GDNLayerState, store_pending
 
 # GraphTarget's prefill: a prompt shorter than SEQUENCE_FROM tokens goes as chains of
 # PREFILL_WIDTH tokens, each verified and committed in one graph replay; a longer one as plain
@@ -225,6 +225,7 @@ class GraphTarget(EagerTarget):
         # round is ~40 more; beside a fused model both are compiled: a few kernels per graph
         self._accept, _ = fused.compile_for_graph(acceptance.greedy, fused.mode_of(model))
         self._settle_fn, _ = fused.compile_for_graph(settle, fused.mode_of(model))
+        self.cache.gather, _ = fused.compile_for_graph(store_pending, fused.mode_of(model))
         if self.delayed:  # pending buffers exist from the start so the verify graph reads them
             self.cache.reserve_pending(batch, budget, (model.cfg.num_heads, model.cfg.head_dim))
 

@@ -112,37 +112,44 @@ class PendingBank:
         return all(records[i].k.shape[1] == n and records[i].u.shape[1] == n and records[i].g.shape[1] == n
                    for i in self.layers)
 
-    def store(self, records: list, path: torch.Tensor, length: torch.Tensor, chain: bool = False) -> None:
+    def store(self, records: list, path: torch.Tensor, length: torch.Tensor, chain: bool = False,
+              gather=None) -> None:
         """pending[i] <- records[i] gathered along path[b, :P] (front of the buffers), for all
         member layers at once; the caller checked `fits`. chain: the caller promises
         path[b, :length[b]] = 0, 1, ... (a chain's accepted prefix), so a full-width path is the
         records as they are: stacked straight into the buffers, no gather (three launches of
-        ~5 us a chain round on the H200, rounds.json)."""
-        B, P = path.shape
-        L = len(self.layers)
-        n = records[self.layers[0]].k.shape[1]
-        factors = [(buf, [getattr(records[i], name) for i in self.layers])
-                   for buf, name in ((self.k, "k"), (self.g, "g"), (self.u, "u"))]
-        if chain and P == n == self.nodes:
-            for buf, parts in factors:
-                torch.stack(parts, out=buf)
-        else:
-            idx = (torch.arange(B, device=path.device)[:, None] * n + path).reshape(-1)  # flat node per (b, p)
-            for buf, parts in factors:
-                src = torch.stack(parts).reshape(L, B * n, -1)  # [L, B * n, ...]
-                dst = buf[:, :, :P]
-                if dst.is_contiguous():  # P == nodes: gather straight into the buffers
-                    torch.index_select(src, 1, idx, out=dst.view(L, B * P, -1))
-                else:
-                    dst.copy_(src.index_select(1, idx).view(dst.shape))
-        self.length.copy_(length.reshape(1, B).expand(L, B))
+        ~5 us a chain round on the H200, rounds.json). gather: `store_pending` (default) or its
+        compiled form (`Cache.gather`)."""
+        parts = [[getattr(records[i], name) for i in self.layers] for name in ("k", "g", "u")]
+        (gather or store_pending)((self.k, self.g, self.u, self.length), parts, path, length,
+                                  chain and path.shape[1] == parts[0][0].shape[1] == self.nodes)
+
+
+def store_pending(bufs, parts, path: torch.Tensor, length: torch.Tensor, chain: bool) -> None:
+    """`PendingBank.store` on its buffers (k, g, u [L, B, nodes, ...], length [L, B]): parts are
+    the member layers' k, g and u records [B, n, ...]. A pure function of tensors, so a fused
+    target compiles it: Inductor writes each buffer with one kernel that reads the layers'
+    records where they are, instead of a stack and a gather per factor (eager: 7 launches a tree
+    round, three of them 3.7 us gathers on the H200, `tree_shapes_8faf436_profile.json`)."""
+    B, P = path.shape
+    L, n = len(parts[0]), parts[0][0].shape[1]
+    for buf, recs in zip(bufs[:3], parts):
+        if chain:
+            torch.stack(recs, out=buf)
+            continue
+        idx = (torch.arange(B, device=path.device)[:, None] * n + path).reshape(-1)  # flat node per (b, p)
+        src = torch.stack(recs).reshape(L, B * n, -1)  # [L, B * n, ...]
+        buf[:, :, :P].copy_(src.index_select(1, idx).view(L, B, P, *buf.shape[3:]))
+    bufs[3].copy_(length.reshape(1, B).expand(L, B))
 
 
 class Cache:
     """Per-layer durable state plus `length` [B], the number of tokens each row has consumed.
 
     `bank`: a `PendingBank` holding the pending buffers of the GDN layers, once a delayed
-    commit needs them (built on the first delayed commit, or up front by `GraphTarget`).
+    commit needs them (built on the first delayed commit, or up front by `GraphTarget`);
+    `gather`: the function that stores into it (`store_pending`; `GraphTarget` compiles it
+    beside a fused target).
     `clean`: host-side knowledge that no layer holds a pending update (the cache was just
     emptied or flushed), so `flush` launches nothing: a prefill after `Target.reset` would
     otherwise run three launches a layer to apply empty updates. Every delayed commit clears
@@ -154,6 +161,7 @@ class Cache:
         self.layers = layers
         self.length = length
         self.bank: PendingBank | None = None
+        self.gather = store_pending
         self.clean = False
 
     def make_bank(self, records: list | None, batch: int, nodes: int, shapes=None) -> PendingBank | None:
@@ -231,7 +239,7 @@ class Cache:
                 if bank is not None and not bank.fits(records, path):
                     bank = None
             if bank is not None:
-                bank.store(records, path, length, chain)
+                bank.store(records, path, length, chain, self.gather)
         for s, rec in zip(self.layers, records):
             if isinstance(s, GDNLayerState):
                 if s.conv is not None:

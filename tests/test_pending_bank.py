@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specla.state import GDNLayerState
+from specla.state import GDNLayerState, store_pending
 
 from conftest import random_model, tiny_config
 
@@ -16,7 +16,8 @@ def _verify_round(model, cache, g, n=6):
 
 
 @pytest.mark.parametrize("P", [6, 3])  # P == nodes: gathered straight into the buffers; else copied
-def test_bank_store_equals_per_layer(P):
+@pytest.mark.parametrize("compiled", [False, True])  # True: as a fused GraphTarget stores (Inductor)
+def test_bank_store_equals_per_layer(P, compiled):
     model = random_model(tiny_config(1, num_hidden_layers=3), 1)
     g = torch.Generator().manual_seed(0)
     cache = model.new_cache(2, 64)
@@ -25,6 +26,8 @@ def test_bank_store_equals_per_layer(P):
     path = torch.tensor([[0, 3, 4, 0, 0, 0], [0, 1, 3, 0, 0, 0]])[:, :P]
     length = torch.tensor([3, 2])
     ref = cache.clone()
+    if compiled:
+        cache.gather = torch.compile(store_pending, fullgraph=True, dynamic=False)
     cache.make_bank(out.records, 2, 6)
     cache.commit(out.records, path, length, delayed=True)
     assert cache.bank is not None and cache.bank.attached(cache)
@@ -72,7 +75,8 @@ def test_delayed_rounds_with_bank_equal_immediate(fused):
         assert int(a.pending[3].abs().sum()) == 0
 
 
-def test_chain_store_equals_the_gather():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_chain_store_equals_the_gather(compiled):
     """A chain round's accepted path is a prefix (0, 1, ...): `store(chain=True)` stacks the
     records into the buffers without a gather; what a flush reads (the first `length` nodes)
     and the state it leaves equal the per-layer gather's."""
@@ -84,6 +88,8 @@ def test_chain_store_equals_the_gather():
     out = model.verify(tokens, torch.arange(-1, 5).expand(2, -1), cache)
     path, length = torch.tensor([[0, 1, 2, 0, 0, 0], [0, 1, 2, 3, 4, 0]]), torch.tensor([3, 5])
     ref = cache.clone()
+    if compiled:
+        cache.gather = torch.compile(store_pending, fullgraph=True, dynamic=False)
     cache.make_bank(out.records, 2, 6)
     cache.commit(out.records, path, length, delayed=True, chain=True)
     for st, rec in zip(ref.layers, out.records):
