@@ -284,8 +284,10 @@ class Decoder:
             return FlaTarget(self.model, batch, max_len)
         exact = self.exact_width is not None
         budget = self.exact_width or (self.drafter.max_nodes if self.drafter is not None else 1)
+        path = self.drafter.max_path if self.drafter is not None else 1
         max_len += budget  # a chain verify writes its nodes' K/V up to `budget` slots past the end
-        key = ("graph", batch, budget, self.delayed, exact) if self.graphs else ("eager", batch, self.exact_width)
+        key = (("graph", batch, budget, self.delayed, exact, path) if self.graphs
+               else ("eager", batch, self.exact_width, path))
         target = self.targets.get(key)
         if target is not None and target.max_len >= max_len:
             target.reset()
@@ -293,7 +295,7 @@ class Decoder:
         # room in steps of 1024 positions: a slightly longer prompt reuses the target (and its
         # graphs) instead of building and capturing a new one
         max_len = -(-max_len // 1024) * 1024
-        target = (GraphTarget(self.model, batch, max_len, budget, self.delayed, exact) if self.graphs
-                  else EagerTarget(self.model, batch, max_len, self.exact_width))
+        target = (GraphTarget(self.model, batch, max_len, budget, self.delayed, exact, path) if self.graphs
+                  else EagerTarget(self.model, batch, max_len, self.exact_width, path))
         self.targets[key] = target
         return target

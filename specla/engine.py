@@ -84,13 +84,18 @@ class EagerTarget:
     _settle_fn = staticmethod(settle)
     _accept = staticmethod(acceptance.greedy)  # the greedy rule; GraphTarget's is compiled
 
-    def __init__(self, model: Model, batch: int, max_len: int, width: int | None = None):
+    def __init__(self, model: Model, batch: int, max_len: int, width: int | None = None,
+                 path_nodes: int | None = None):
         from specla.fused import maybe_fuse
 
         maybe_fuse(model)  # SPECLA_COMPILE=1: the fused decode path (specla.fused)
         self.model = model
         self.max_len = max_len
         self.width = width  # exact mode: every target call verifies this many nodes
+        # the longest path a round can accept, root included (`Drafter.max_path`; None: the
+        # topology's width): commits keep that much of a path, so the pending buffers, whose
+        # every slot each verify checks, are a tree's depth long, not its node count
+        self.path_nodes = path_nodes
         self.cache: Cache = model.new_cache(batch, max_len=max_len)
         self._emission(batch, model.device)
 
@@ -137,7 +142,10 @@ class EagerTarget:
             return self.model.verify(tokens, parents, self.cache, capture, chain, valid)
 
     def commit(self, records, path, length, delayed: bool) -> None:
-        self.cache.commit(records, path, length, delayed)
+        self.cache.commit(records, self._accepted(path), length, delayed)
+
+    def _accepted(self, path: torch.Tensor) -> torch.Tensor:
+        return path if self.path_nodes is None else path[:, :self.path_nodes]
 
     def flush(self) -> None:
         self.cache.flush()
@@ -206,8 +214,9 @@ class GraphTarget(EagerTarget):
     """CUDA graphs over a static cache; topologies padded to `budget` nodes (root included).
     `exact`: AR steps verify the root at that width too (exact mode)."""
 
-    def __init__(self, model: Model, batch: int, max_len: int, budget: int, delayed: bool, exact: bool = False):
-        super().__init__(model, batch, max_len, width=budget if exact else None)
+    def __init__(self, model: Model, batch: int, max_len: int, budget: int, delayed: bool, exact: bool = False,
+                 path_nodes: int | None = None):
+        super().__init__(model, batch, max_len, budget if exact else None, min(path_nodes or budget, budget))
         dev = model.device
         # a one-node budget never accepts a draft: commit at once, so AR steps have no
         # (empty) pending update to flush in every layer
@@ -216,7 +225,7 @@ class GraphTarget(EagerTarget):
         self.tokens = torch.zeros(batch, budget, dtype=torch.long, device=dev)
         self.parents = torch.arange(-1, budget - 1, device=dev).expand(batch, -1).contiguous()
         self.valid = torch.full((batch,), budget, dtype=torch.long, device=dev)
-        self.path = torch.zeros(batch, budget, dtype=torch.long, device=dev)
+        self.path = torch.zeros(batch, self.path_nodes, dtype=torch.long, device=dev)
         self.length = torch.zeros(batch, dtype=torch.long, device=dev)
         self.graphs: dict = {}
         self.records, self.verify_key = None, None
@@ -227,7 +236,7 @@ class GraphTarget(EagerTarget):
         self._settle_fn, _ = fused.compile_for_graph(settle, fused.mode_of(model))
         self.cache.gather, _ = fused.compile_for_graph(store_pending, fused.mode_of(model))
         if self.delayed:  # pending buffers exist from the start so the verify graph reads them
-            self.cache.reserve_pending(batch, budget, (model.cfg.num_heads, model.cfg.head_dim))
+            self.cache.reserve_pending(batch, self.path_nodes, (model.cfg.num_heads, model.cfg.head_dim))
 
     def _snapshot(self):
         keep = []
@@ -355,7 +364,7 @@ class GraphTarget(EagerTarget):
         delayed = delayed and self.budget > 1
         if records is not self.records or delayed != self.delayed:
             return super().commit(records, path, length, delayed)
-        self.path.copy_(path)
+        self.path.copy_(self._accepted(path))
         self.length.copy_(length)
         # one commit graph per verify graph: a graph reads the records it was captured with, and
         # drafters that capture different layers (one target serves every drafter of a budget)
@@ -395,7 +404,7 @@ class GraphTarget(EagerTarget):
             out = self._model_verify(tok, par, capture, chain, val)
             acc = self._accept(tok, par, out.logits, val)
             settled = self._settle(tok, par, val, out.logits, out.hidden, acc)
-            self.cache.commit(out.records, acc.path, settled.count, self.delayed, chain)
+            self.cache.commit(out.records, self._accepted(acc.path), settled.count, self.delayed, chain)
             return dataclasses.replace(settled, static=True)
 
         graph, outs = self.graphs.get(key) or self._capture(key, run)

@@ -49,6 +49,16 @@ class FeatureReadingOracle(OracleTreeDrafter):
     capture = (0,)
 
 
+class ShallowOracle(OracleTreeDrafter):
+    """Bushy trees and stars of up to 10 nodes: no path is longer than 4 nodes, which it
+    declares (`Drafter.max_path`), so the target keeps 4-node pending buffers."""
+
+    _max_path = 4
+
+    def __init__(self, oracle, vocab, seed):
+        super().__init__(oracle, vocab, max_nodes=10, seed=seed, shapes=("bushy", "wide_star"))
+
+
 def _prompt(vocab, seed, length=10):
     g = torch.Generator().manual_seed(seed)
     base = torch.randint(0, vocab, (length,), generator=g).tolist()
@@ -67,11 +77,14 @@ def test_graph_path_equals_ar(graph_path):
     for delayed in (True,):
         for make in (lambda: NgramDrafter(length=4, topk=3, budget=9),
                      lambda: FeatureReadingOracle(oracle, cfg.vocab_size, max_nodes=10, seed=seed),
+                     lambda: ShallowOracle(oracle, cfg.vocab_size, seed),
                      lambda: NgramDrafter(length=9, topk=1)):
             rows, res, _ = Decoder(model, make(), "tree", graphs=True, delayed=delayed,
                                    targets=targets).run(torch.tensor([prompt]), new)
             assert rows == ar, (make().name, delayed)
     assert any(isinstance(t, GraphTarget) for t in targets.values())
+    shallow = [t for k, t in targets.items() if k[-1] == 4]
+    assert len(shallow) == 1 and shallow[0].cache.bank.nodes == 4
 
 
 def test_graph_prefill_equals_the_plain_forward(graph_path, monkeypatch):

@@ -53,12 +53,19 @@ class Drafter:
     name = "drafter"
     capture: tuple[int, ...] = ()  # target layers whose residual stream the drafter reads
     max_nodes: int = 64  # largest topology it proposes, root included (sizes CUDA-graph buffers)
+    # longest root-to-leaf path it proposes, root included (None: max_nodes, a chain): a round
+    # accepts at most this many nodes, which sizes the target's pending buffers
+    _max_path: int | None = None
     # drafts from `DraftContext.root` alone (no host history, no host read): the decode loop
     # may then run rounds ahead of the host
     device_root: bool = False
     # every draft is a chain (node j's parent is j - 1): the target's attention layers may then
     # read keys in position order (`GatedAttention.verify`)
     chain: bool = False
+
+    @property
+    def max_path(self) -> int:
+        return self.max_nodes if self._max_path is None else min(self._max_path, self.max_nodes)
 
     def reset(self, batch: int, horizon: int | None = None) -> None:
         """Start a new generation. horizon: the most tokens the target consumes in it (prompt

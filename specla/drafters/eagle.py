@@ -284,6 +284,7 @@ class EagleDrafter(Drafter):
         pool = topk + (depth - 1) * width * topk
         self.budget = pool if budget is None else min(budget, pool)
         self.max_nodes = self.budget + 1
+        self._max_path = depth + 1  # one node a depth
         self.chain = topk == 1
         self.entries = 1 + (depth - 1) * width  # drafter queries per rollout: the root, then w per depth
         self.capture = tuple(model.cfg.feature_layers)
