@@ -94,6 +94,12 @@ def tree_verify_kernel(
         # program c walks the c-th leaf's path root..leaf (`schedule.path_tables`, built once a
         # round, leaves first): its nodes, in index order, read back one node ahead as scalars
         L = tl.load(chain_len + b * n + c)  # 0 past the leaves
+        # what the program's last steps test, read now: a load after the walk's stores would
+        # hold the program's end for a memory round trip
+        leaves = tl.load(n_chains + b)
+        real = n
+        if HAS_VALID:
+            real = real_nodes(valid, b, n)
         p_tab = chain_nodes + (b * n + c).to(tl.int64) * NP
         node_next = tl.load(p_tab + 1, mask=L > 1, other=0)
         node = tl.program_id(0) * 0
@@ -222,11 +228,11 @@ def tree_verify_kernel(
     if WRITE_FINAL:
         tl.store(p_S, S, mask=m_S)
     if PATHS:
-        if ticket == tl.load(n_chains + b) - 1:  # the last path to load the tile: write it back,
-            tl.store(p_S, root, mask=m_S)         # re-arm the counter for the next launch
+        if ticket == leaves - 1:  # the last path to load the tile writes it back and re-arms
+            tl.store(p_S, root, mask=m_S)  # the counter for the next launch
             tl.atomic_xchg(counters + r, 0, sem="relaxed")
         if HAS_VALID:  # a padding node: defined outputs (zeros), written by its own program
-            if c >= real_nodes(valid, b, n):
+            if c >= real:
                 p_out = ((b * n + c) * HV + hv).to(tl.int64) * V + o_v
                 tl.store(o + p_out, tl.zeros([BV], dtype=tl.float32), mask=mv)
                 if STORE_U:
