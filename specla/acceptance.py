@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specla import ops
+
 
 @dataclass
 class Acceptance:
@@ -34,19 +36,10 @@ def _live(valid, B, n, device) -> torch.Tensor:
 def greedy(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor,
            valid: torch.Tensor | None = None) -> Acceptance:
     """Follow the child whose token is the target's argmax (lowest id on ties, as AR)."""
-    B, n = tokens.shape
-    live = _live(valid, B, n, tokens.device)
-    rows = torch.arange(B, device=tokens.device)
     target = logits.argmax(-1)  # torch returns the first maximal index
-    cur = torch.zeros(B, dtype=torch.long, device=tokens.device)
-    path = torch.zeros(B, n, dtype=torch.long, device=tokens.device)
-    length = torch.ones(B, dtype=torch.long, device=tokens.device)
-    for j in range(1, n):
-        move = (parents[:, j] == cur) & (tokens[:, j] == target[rows, cur]) & live[:, j]
-        path[rows, length.clamp(max=n - 1)] = torch.where(move, j, path[rows, length.clamp(max=n - 1)])
-        length = length + move.long()
-        cur = torch.where(move, j, cur)
-    return Acceptance(path, length, target[rows, cur], target[:, 0])
+    path, length, last = ops.greedy_walk(tokens, parents, target, valid)
+    rows = torch.arange(tokens.shape[0], device=tokens.device)
+    return Acceptance(path, length, target[rows, last], target[:, 0])
 
 
 def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:

@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import Optional
 
 import torch
 
+from specla.ops.accept import naive as accept_ref
 from specla.ops.attention import naive as attention_ref
 from specla.ops.beam import naive as beam_ref
 from specla.ops.conv import naive as conv_ref
@@ -415,6 +417,26 @@ def _beam_expand_shape(logits, beam_scores, topk, scale=1.0):
     return (logits.new_empty(B, nb * topk, dtype=torch.long),
             logits.new_empty(B, nb * topk, dtype=accumulation_dtype(logits.dtype)),
             logits.new_empty(B, topk, dtype=torch.long))
+
+
+@torch.library.custom_op("specla::greedy_walk", mutates_args=())
+def greedy_walk(tokens: torch.Tensor, parents: torch.Tensor, target: torch.Tensor,
+                valid: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy acceptance's walk over a topology (`ops.accept.naive.greedy_walk`): one Triton
+    launch where Triton runs, the reference elsewhere. A custom op, so that inside the round's
+    compiled acceptance it stays one opaque call (Inductor made ~22 kernels of a 17-node walk)."""
+    if not use_triton(tokens):
+        return accept_ref.greedy_walk(tokens, parents, target, valid)
+    from specla.ops.accept import triton as accept_triton
+
+    return accept_triton.greedy_walk(tokens, parents, target, valid)
+
+
+@greedy_walk.register_fake
+def _greedy_walk_shape(tokens, parents, target, valid=None):
+    B, n = tokens.shape
+    return (tokens.new_empty(B, n, dtype=torch.long), tokens.new_empty(B, dtype=torch.long),
+            tokens.new_empty(B, dtype=torch.long))
 
 
 @skinny_linear.register_fake

@@ -20,7 +20,8 @@ import tempfile
 POINTERS = {
     "parents": "*i64", "chain_nodes": "*i32", "chain_len": "*i32", "light": "*i32", "n_chains": "*i32",
     "flags": "*i32", "counters": "*i32", "table": "*i32", "path_len": "*i32", "n_leaves": "*i32", "cand_i": "*i32", "tok": "*i64", "beams": "*i64",
-    "plen": "*i64", "valid": "*i64", "path": "*i64", "length": "*i64",
+    "plen": "*i64", "valid": "*i64", "path": "*i64", "length": "*i64", "tokens": "*i64", "target": "*i64",
+    "last": "*i64",
     "allowed": "*u8", "x": "*bf16", "conv_state": "*bf16", "weight": "*bf16", "y": "*bf16", "a": "*bf16", "bb": "*bf16", "z": "*bf16",
 }
 ALIGNED = ("n_in",)
@@ -30,6 +31,7 @@ SCALARS = {"scale": "fp32", "n": "i32", "P": "i32", "C": "i32", "n_tiles": "i32"
 
 def variants(H=8, HV=8, K=256, V=256):
     """(name, kernel, constexprs, num_warps) for every variant the dispatch and benchmarks use."""
+    from specla.ops.accept import triton as accept
     from specla.ops.attention import triton as attention
     from specla.ops.beam import triton as beam
     from specla.ops.conv import triton as conv
@@ -70,6 +72,7 @@ def variants(H=8, HV=8, K=256, V=256):
     # a rollout depth of 4 beams over a 32k vocabulary (the 1.3B shape's), top-4
     yield "ancestor closure", closure._closure_kernel, dict(NP=32, STEPS=4), 4
     yield "path tables", closure._paths_kernel, dict(NP=32, TS=32, STEPS=5, HAS_VALID=True), 4
+    yield "greedy walk", accept._walk_kernel, dict(NP=32, HAS_VALID=True), 1
     yield "beam_expand chunk", beam._chunk_kernel, dict(K=4, BLOCK=beam.CHUNK), 4
     yield "beam_expand merge", beam._merge_kernel, dict(K=4, KP=4, NB=4, NCP=32, NCK=128), 4
     for V, warps in ((8192, 8), (beam.ROW_MAX, 16)):  # one beam's whole row: the demo's and the largest vocabulary
