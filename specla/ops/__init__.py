@@ -46,6 +46,7 @@ from specla.ops.gdn import naive as gdn_ref
 from specla.ops.linear import naive as linear_ref
 from specla.ops.linear import tilings as linear_tilings
 from specla.ops.norm import naive as norm_ref
+from specla.ops.tree import naive as tree_ref
 from specla.precision import accumulation_dtype
 
 _BACKENDS = ("auto", "torch", "triton")
@@ -417,6 +418,26 @@ def _beam_expand_shape(logits, beam_scores, topk, scale=1.0):
     return (logits.new_empty(B, nb * topk, dtype=torch.long),
             logits.new_empty(B, nb * topk, dtype=accumulation_dtype(logits.dtype)),
             logits.new_empty(B, topk, dtype=torch.long))
+
+
+@torch.library.custom_op("specla::build_tree", mutates_args=())
+def build_tree(root: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, budget: int,
+               tau: Optional[float], depth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A rollout pool's selection and packing (`ops.tree.naive.build_batch`): one Triton launch
+    where Triton runs, up to 256 pool nodes, the reference elsewhere and for float64 scores. A
+    custom op, so that inside the drafter's compiled rollout it stays one opaque call."""
+    if not use_triton(scores) or scores.dtype == torch.float64 or max(scores.shape[1], budget + 1) > 256:
+        return tree_ref.build_batch(root, tokens, parents, scores, budget, tau, depth)
+    from specla.ops.tree import triton as tree_triton
+
+    return tree_triton.build_batch(root, tokens, parents, scores, budget, tau, depth)
+
+
+@build_tree.register_fake
+def _build_tree_shape(root, tokens, parents, scores, budget, tau, depth):
+    B, P = scores.shape
+    M = min(budget, P)
+    return (tokens.new_empty(B, M + 1), tokens.new_empty(B, M + 1), tokens.new_empty(B))
 
 
 @torch.library.custom_op("specla::greedy_walk", mutates_args=())

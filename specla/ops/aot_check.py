@@ -21,12 +21,13 @@ POINTERS = {
     "parents": "*i64", "chain_nodes": "*i32", "chain_len": "*i32", "light": "*i32", "n_chains": "*i32",
     "flags": "*i32", "counters": "*i32", "table": "*i32", "path_len": "*i32", "n_leaves": "*i32", "cand_i": "*i32", "tok": "*i64", "beams": "*i64",
     "plen": "*i64", "valid": "*i64", "path": "*i64", "length": "*i64", "tokens": "*i64", "target": "*i64",
-    "last": "*i64",
+    "last": "*i64", "root": "*i64", "depth": "*i64", "out_tok": "*i64", "out_par": "*i64", "slots": "*i32",
     "allowed": "*u8", "x": "*bf16", "conv_state": "*bf16", "weight": "*bf16", "y": "*bf16", "a": "*bf16", "bb": "*bf16", "z": "*bf16",
 }
 ALIGNED = ("n_in",)
 SCALARS = {"scale": "fp32", "n": "i32", "P": "i32", "C": "i32", "n_tiles": "i32", "n_out": "i32", "n_in": "i32",
-           "n_rows": "i32", "eps": "fp32", "V": "i32", "NC": "i32", "s_row": "i32", "nb": "i32", "W": "i32", "NS": "i32"}
+           "n_rows": "i32", "eps": "fp32", "V": "i32", "NC": "i32", "s_row": "i32", "nb": "i32", "W": "i32", "NS": "i32",
+           "M": "i32", "s_depth": "i32", "tau": "fp32"}
 
 
 def variants(H=8, HV=8, K=256, V=256):
@@ -38,6 +39,7 @@ def variants(H=8, HV=8, K=256, V=256):
     from specla.ops.gdn import closure, commit, parallel, serial
     from specla.ops.linear import triton as linear
     from specla.ops.norm import triton as norm
+    from specla.ops.tree import triton as tree_ops
 
     for BV, warps in ((8, 1), (8, 2), (8, 4), (16, 4), (16, 8), (32, 8)):
         for tree, hybrid, paths, pending, final in (
@@ -73,6 +75,7 @@ def variants(H=8, HV=8, K=256, V=256):
     yield "ancestor closure", closure._closure_kernel, dict(NP=32, STEPS=4), 4
     yield "path tables", closure._paths_kernel, dict(NP=32, TS=32, STEPS=5, HAS_VALID=True), 4
     yield "greedy walk", accept._walk_kernel, dict(NP=32, HAS_VALID=True), 1
+    yield "tree build (top-4, depth 8)", tree_ops._build_kernel, dict(NP=128, HAS_TAU=True), 4
     yield "beam_expand chunk", beam._chunk_kernel, dict(K=4, BLOCK=beam.CHUNK), 4
     yield "beam_expand merge", beam._merge_kernel, dict(K=4, KP=4, NB=4, NCP=32, NCK=128), 4
     for V, warps in ((8192, 8), (beam.ROW_MAX, 16)):  # one beam's whole row: the demo's and the largest vocabulary
