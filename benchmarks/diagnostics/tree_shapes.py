@@ -102,16 +102,19 @@ def main():
             row["profile"] = profile(lm, prompts[0][2], a.max_new_tokens, kw)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "profile"}))
-    print(f"\n{'shape':18s} {'ms/tok':>7s} {'tok/round':>9s} {'ms/round':>8s} {'x ar':>6s} {'x chain8':>18s} {'=ar':>5s}")
+    print(f"\n{'shape':18s} {'ms/tok':>7s} {'tok/round':>9s} {'ms/round':>8s} {'x ar':>6s} {'x chain8':>18s} {'=ar':>5s} "
+          f"{'=chain8':>7s}")
     ran_ar = any(r["shape"] == "ar" for r in rows)
     for r in rows:
         ci = r.get("over_chain8_ci")
         # a shape's own reference reads 1; a reference that did not run, "-"
         over_ar = f"{r['over_ar']:6.3f}" if "over_ar" in r else f"{1.0 if r['shape'] == 'ar' else '-':>6}"
         equal_ar = f"{r['equal_ar']:5.2f}" if "equal_ar" in r else f"{1.0 if r['shape'] == 'ar' else '-':>5}"
+        # outputs equal to the chain's, which equal AR's wherever AR ran (so where it did not)
+        equal_chain = f"{r['equal_chain8']:7.2f}" if "equal_chain8" in r else f"{'-':>7}"
         print(f"{r['shape']:18s} {r['ms_per_token']:7.4f} {r['tokens_per_round']:9.2f} {r['ms_per_round']:8.3f} "
               f"{over_ar} {r.get('over_chain8', float('nan')):6.3f}"
-              f"{f' [{ci[0]:.3f}, {ci[1]:.3f}]' if ci else '':>12s} {equal_ar}")
+              f"{f' [{ci[0]:.3f}, {ci[1]:.3f}]' if ci else '':>12s} {equal_ar} {equal_chain}")
     if not ran_ar:
         print("(AR did not run: no speed over AR)")
     if a.out:
