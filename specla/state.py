@@ -112,17 +112,16 @@ class PendingBank:
         return all(records[i].k.shape[1] == n and records[i].u.shape[1] == n and records[i].g.shape[1] == n
                    for i in self.layers)
 
-    def store(self, records: list, path: torch.Tensor, length: torch.Tensor, chain: bool = False,
-              gather=None) -> None:
+    def store(self, records: list, path: torch.Tensor, length: torch.Tensor, chain: bool, gather) -> None:
         """pending[i] <- records[i] gathered along path[b, :P] (front of the buffers), for all
         member layers at once; the caller checked `fits`. chain: the caller promises
         path[b, :length[b]] = 0, 1, ... (a chain's accepted prefix), so a full-width path is the
         records as they are: stacked straight into the buffers, no gather (three launches of
-        ~5 us a chain round on the H200, rounds.json). gather: `store_pending` (default) or its
-        compiled form (`Cache.gather`)."""
+        ~5 us a chain round on the H200, rounds.json). gather: `store_pending` or its compiled
+        form (`Cache.gather`)."""
         parts = [[getattr(records[i], name) for i in self.layers] for name in ("k", "g", "u")]
-        (gather or store_pending)((self.k, self.g, self.u, self.length), parts, path, length,
-                                  chain and path.shape[1] == parts[0][0].shape[1] == self.nodes)
+        gather((self.k, self.g, self.u, self.length), parts, path, length,
+               chain and path.shape[1] == parts[0][0].shape[1] == self.nodes)
 
 
 def store_pending(bufs, parts, path: torch.Tensor, length: torch.Tensor, chain: bool) -> None:
@@ -133,13 +132,13 @@ def store_pending(bufs, parts, path: torch.Tensor, length: torch.Tensor, chain: 
     round, three of them 3.7 us gathers on the H200, `tree_shapes_8faf436_profile.json`)."""
     B, P = path.shape
     L, n = len(parts[0]), parts[0][0].shape[1]
+    idx = (torch.arange(B, device=path.device)[:, None] * n + path).reshape(-1)  # flat node per (b, p)
     for buf, recs in zip(bufs[:3], parts):
         if chain:
             torch.stack(recs, out=buf)
-            continue
-        idx = (torch.arange(B, device=path.device)[:, None] * n + path).reshape(-1)  # flat node per (b, p)
-        src = torch.stack(recs).reshape(L, B * n, -1)  # [L, B * n, ...]
-        buf[:, :, :P].copy_(src.index_select(1, idx).view(L, B, P, *buf.shape[3:]))
+        else:
+            src = torch.stack(recs).reshape(L, B * n, -1)  # [L, B * n, ...]
+            buf[:, :, :P].copy_(src.index_select(1, idx).view(L, B, P, *buf.shape[3:]))
     bufs[3].copy_(length.reshape(1, B).expand(L, B))
 
 

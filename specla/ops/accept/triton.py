@@ -12,10 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _pick(vec, idx, i):
-    return tl.sum(tl.where(idx == i, vec, 0), 0)
+from specla.ops.gdn.serial import _pick
 
 
 @triton.jit
