@@ -48,6 +48,10 @@ SHAPES = {  # name -> generate() options
     "tree-k4-w1-d10-n16": dict(route="tree", tree_topk=4, tree_depth=10, tree_budget=16, tree_width=1),
     "tree-k4-w2-d8-n16": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, tree_width=2),
     "tree-k3-w1-d8-n16": dict(route="tree", tree_topk=3, tree_depth=8, tree_budget=16, tree_width=1),
+    # the drafter's step with its norms, gate and residual adds as separate kernels
+    # (SPECLA_DRAFT_FUSED=torch), as before `ops.fused_linear`
+    "chain8-unfused": dict(route="chain", chain_length=8, draft_fused="torch"),
+    "tree-k4-d8-n16-unfused": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, draft_fused="torch"),
     # the depth step traced (SPECLA_BEAM_EXPAND=torch) instead of the two-launch op
     "tree-k4-w1-d8-n16-traced": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, tree_width=1,
                                      beam_expand="torch"),
@@ -73,7 +77,8 @@ def main():
     rows, records = [], {}
     for name in a.shapes.split(","):
         kw = dict(SHAPES[name])
-        ops.BEAM_EXPAND = kw.pop("beam_expand", "auto")  # read when the rollout is traced
+        ops.BEAM_EXPAND = kw.pop("beam_expand", "auto")  # both read when the rollout is traced
+        ops.DRAFT_FUSED = kw.pop("draft_fused", "auto")
         verifier = kw.pop("tree_verifier", "auto")
         if verifier != ops.TREE_VERIFIER:  # read when the target's round is traced: new round graphs
             ops.TREE_VERIFIER = verifier

@@ -145,7 +145,11 @@ class EagleDrafterModel(nn.Module):
     def qkv(self, x: torch.Tensor, pos: torch.Tensor):
         """x [B, n, D] at positions pos [B, n] -> q, k (rotated), v, each [B, n, H, hd]."""
         B, n, _ = x.shape
-        q, k, v = ops.linear(self.attn_norm(x), self.qkv_proj.weight).reshape(B, n, 3, self.cfg.num_heads, self.cfg.head_dim).unbind(2)
+        if ops.fuses_linear(x):
+            qkv = ops.fused_linear(x, self.qkv_proj.weight, self.attn_norm.weight, self.attn_norm.eps)
+        else:
+            qkv = ops.linear(self.attn_norm(x), self.qkv_proj.weight)
+        q, k, v = qkv.reshape(B, n, 3, self.cfg.num_heads, self.cfg.head_dim).unbind(2)
         f = self.inv_freq(x.device, x.dtype)
         return apply_rotary(q, pos, f), apply_rotary(k, pos, f), v
 
@@ -161,11 +165,18 @@ class EagleDrafterModel(nn.Module):
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor, gate_up: torch.Tensor | None = None) -> torch.Tensor:
         """The rest of the layer after attention: h [B, n, D] (the next step's feature).
-        gate_up: the MLP's `gate_up_weight()`, one matmul instead of two."""
+        gate_up: the MLP's `gate_up_weight()`, one matmul instead of two; with it, a draft step
+        runs as three launches (`ops.fused_linear`) where it can."""
+        if gate_up is not None and ops.fuses_linear(attn):
+            x = ops.fused_linear(attn, self.o_proj.weight, residual=x)
+            act = ops.fused_linear(x, gate_up, self.mlp_norm.weight, self.mlp_norm.eps, glu=True)
+            return ops.fused_linear(act, self.mlp.down_proj.weight, residual=x)
         x = x + ops.linear(attn, self.o_proj.weight)
         return x + self.mlp(self.mlp_norm(x), gate_up)
 
     def logits(self, h: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        if ops.fuses_linear(h):
+            return ops.fused_linear(h, lm_head_weight, self.norm.weight, self.norm.eps)
         return ops.linear(self.norm(h), lm_head_weight)
 
     # training ---------------------------------------------------------------------------------
@@ -532,7 +543,7 @@ class EagleDrafter(Drafter):
             self._store(keys, values, self.len[:, None] + start + torch.arange(n, device=dev), kk, v)
             sees = rows.gather(2, entry_of_slot[:, None, :].expand(B, n, -1))
             h = m.finish(x, m.attend(q, keys, values, committed[:, None] | (in_draft[:, None] & sees)), self._gate_up)
-            return tgt.lm_head(m.norm(h))  # the expand normalises the k tokens it keeps
+            return m.logits(h, tgt.lm_head.weight)  # the expand normalises the k tokens it keeps
 
         return tree.beam_search(step, root, self.topk, self.depth, tau, scored, w, 1 / self.temperature)
 

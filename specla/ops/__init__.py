@@ -80,6 +80,12 @@ if TREE_VERIFIER not in ("auto", "paths", "parallel", "serial", "hybrid"):
 BEAM_EXPAND = os.environ.get("SPECLA_BEAM_EXPAND", "auto")
 if BEAM_EXPAND not in ("auto", "torch"):
     raise ValueError(f"SPECLA_BEAM_EXPAND={BEAM_EXPAND!r}: expected auto or torch")
+# `SPECLA_DRAFT_FUSED=torch`: the drafter's step as separate norm, matmul, gate and add kernels
+# (as Inductor fuses them) instead of `ops.fused_linear` (an A/B switch for benchmarks), read
+# when the rollout is traced
+DRAFT_FUSED = os.environ.get("SPECLA_DRAFT_FUSED", "auto")
+if DRAFT_FUSED not in ("auto", "torch"):
+    raise ValueError(f"SPECLA_DRAFT_FUSED={DRAFT_FUSED!r}: expected auto or torch")
 _exact = False
 
 
@@ -378,6 +384,40 @@ def _fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if 2 <= x.numel() // max(x.shape[-1], 1) <= linear_triton.SKINNY_MAX_ROWS:
         return linear_triton.rows(x, weight)
     return torch.nn.functional.linear(x, weight)
+
+
+def _fused_rows(x: torch.Tensor) -> bool:
+    from specla.ops.linear import triton as linear_triton
+
+    return (use_triton(x) and x.dtype != torch.float64
+            and x.numel() // max(x.shape[-1], 1) <= linear_triton.FUSED_MAX_ROWS)
+
+
+def fuses_linear(x: torch.Tensor) -> bool:
+    """Whether a drafter should call `fused_linear` for x: it runs x's rows as one Triton
+    launch, outside autograd, unless SPECLA_DRAFT_FUSED=torch (else the caller composes its
+    modules: training, fp64, CPU, more rows than a draft step has)."""
+    return DRAFT_FUSED == "auto" and not torch.is_grad_enabled() and _fused_rows(x)
+
+
+@torch.library.custom_op("specla::fused_linear", mutates_args=())
+def fused_linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[torch.Tensor] = None,
+                 eps: float = 1e-6, residual: Optional[torch.Tensor] = None, glu: bool = False) -> torch.Tensor:
+    """A draft step's matmul with the RMS norm before it, SwiGLU's gate or the residual add
+    after it (`ops.linear.naive.fused`): one Triton launch where `fuses_linear`, the reference
+    elsewhere. On the demo drafter's step (H200) every norm, gate and add was a launch of its
+    own, ~1-1.3 µs of kernel and as much again of gap. A custom op, so that inside the drafter's
+    compiled rollout it stays one opaque call."""
+    if not _fused_rows(x):
+        return linear_ref.fused(x, weight, norm_weight, eps, residual, glu)
+    from specla.ops.linear import triton as linear_triton
+
+    return linear_triton.fused(x, weight, norm_weight, eps, residual, glu)
+
+
+@fused_linear.register_fake
+def _fused_linear_shape(x, weight, norm_weight=None, eps=1e-6, residual=None, glu=False):
+    return x.new_empty(*x.shape[:-1], weight.shape[0] // 2 if glu else weight.shape[0])
 
 
 @torch.library.custom_op("specla::masked_attention", mutates_args=())

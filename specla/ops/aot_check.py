@@ -22,7 +22,7 @@ POINTERS = {
     "flags": "*i32", "counters": "*i32", "table": "*i32", "path_len": "*i32", "n_leaves": "*i32", "cand_i": "*i32", "tok": "*i64", "beams": "*i64",
     "plen": "*i64", "valid": "*i64", "path": "*i64", "length": "*i64", "tokens": "*i64", "target": "*i64",
     "last": "*i64", "root": "*i64", "depth": "*i64", "out_tok": "*i64", "out_par": "*i64", "slots": "*i32",
-    "allowed": "*u8", "x": "*bf16", "conv_state": "*bf16", "weight": "*bf16", "y": "*bf16", "a": "*bf16", "bb": "*bf16", "z": "*bf16",
+    "allowed": "*u8", "x": "*bf16", "norm_w": "*bf16", "res": "*bf16", "conv_state": "*bf16", "weight": "*bf16", "y": "*bf16", "a": "*bf16", "bb": "*bf16", "z": "*bf16",
 }
 ALIGNED = ("n_in",)
 SCALARS = {"scale": "fp32", "n": "i32", "P": "i32", "C": "i32", "n_tiles": "i32", "n_out": "i32", "n_in": "i32",
@@ -89,6 +89,14 @@ def variants(H=8, HV=8, K=256, V=256):
     yield "masked_attention combine", attention._combine_kernel, dict(H=16, D=128, BD=128, NSP=16), 4
     for BN, BK, warps in linear.TILINGS:
         yield f"gemv BN={BN} BK={BK} w={warps}", linear._gemv_kernel, dict(BN=BN, BK=BK), warps
+    # a draft step's fused matmuls at the demo drafter's shapes (1 row: chains, 4: tree beams)
+    for M in (1, 4):
+        for name, N, K, flags in (("norm+qkv", 768, 256, dict(NORM=True)), ("o_proj+res", 256, 256, dict(RES=True)),
+                                  ("norm+gate|up+glu", 768, 256, dict(NORM=True, GLU=True)),
+                                  ("down+res", 256, 768, dict(RES=True)), ("norm+lm_head", 8192, 256, dict(NORM=True))):
+            BM, BN, BK = linear.fused_tiling(M, N, K, flags.get("GLU", False))
+            yield (f"fused {name} M={M}", linear._fused_kernel,
+                   dict(BM=BM, BN=BN, BK=BK, **{"NORM": False, "GLU": False, "RES": False, **flags}), 4)
     for BM, BN, BK, warps in linear.SKINNY_TILINGS:
         yield (f"gemv-skinny BM={BM} BN={BN} BK={BK} w={warps}", linear._skinny_kernel,
                dict(BM=BM, BN=BN, BK=BK, PREC="tf32"), warps)

@@ -181,3 +181,79 @@ def test_invariant_linear_rows_do_not_depend_on_how_many_come(backend, dtype):
     ref = naive.skinny(x[:, :32], w).float()
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert ((alone.float() - ref).abs().max() / ref.abs().max()) < tol
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(M=st.sampled_from([1, 2, 4, 9, 16]), N=st.sampled_from([1, 5, 37, 64, 130, 700]),
+       K=st.sampled_from([3, 16, 50, 130, 256, 600]), norm=st.booleans(), glu=st.booleans(), res=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_fused_matches_reference(M, N, K, norm, glu, res, dtype, seed):
+    """Norm, product, gate and residual in one launch equal the reference composition: fp32 to
+    rounding; bf16 within a few bf16 steps (the products' sums run in another order, so a
+    product may round to the neighbouring bf16 value, which the gate's silu(g) * u amplifies)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, M, K, generator=g).to(dtype)
+    w = (torch.randn(2 * N if glu else N, K, generator=g) / K ** 0.5).to(dtype)
+    nw = (1 + 0.1 * torch.randn(K, generator=g)).to(dtype) if norm else None
+    r = torch.randn(1, M, N, generator=g).to(dtype) if res else None
+    out = linear_triton.fused(x, w, nw, 1e-6, r, glu)
+    ref = naive.fused(x, w, nw, 1e-6, r, glu)
+    assert out.shape == ref.shape == (1, M, N) and out.dtype == dtype
+    err = ((out.double() - ref.double()).abs().max() / ref.double().abs().max().clamp(min=1)).item()
+    assert err < (1e-5 if dtype == torch.float32 else 5e-2)
+    if dtype == torch.bfloat16:  # most elements agree to a rounding step or two
+        close = (out.double() - ref.double()).abs() <= 2 ** -6 * ref.double().abs() + 1e-2
+        assert close.double().mean() > 0.95
+
+
+def test_fused_rejects_bad_shapes():
+    x = torch.randn(1, 3, 32)
+    with pytest.raises(ValueError, match="rows"):
+        linear_triton.fused(torch.randn(17, 32), torch.randn(8, 32))
+    with pytest.raises(ValueError, match="even"):
+        linear_triton.fused(x, torch.randn(7, 32), glu=True)
+    with pytest.raises(ValueError, match="residual"):
+        linear_triton.fused(x, torch.randn(8, 32), residual=torch.randn(1, 3, 4))
+
+
+@pytest.mark.parametrize("shape", [dict(topk=1, depth=4), dict(topk=3, depth=3, budget=8)])
+def test_drafter_step_with_fused_linear_equals_its_modules(shape, monkeypatch):
+    """The EAGLE drafter's step on `ops.fused_linear` (norm + qkv, o_proj + residual, norm +
+    gate|up + gate, down + residual, norm + LM head) drafts what its modules draft (fp32, a
+    random drafter over a random target), and the training path keeps autograd's modules."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from conftest import random_model, tiny_config
+    from specla import ops
+    from specla.drafters.eagle import EagleConfig, EagleDrafter, EagleDrafterModel
+
+    cfg = tiny_config(5)
+    model = random_model(cfg, 5).float()
+    torch.manual_seed(5)
+    dm = EagleDrafterModel(EagleConfig.for_target(cfg)).float().eval()
+    x = torch.randint(3, cfg.vocab_size, (1, 9))
+    calls = []
+    real = linear_triton.fused
+    monkeypatch.setattr(linear_triton, "fused", lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = {}
+    for mode in ("auto", "torch"):
+        monkeypatch.setattr(ops, "DRAFT_FUSED", mode)
+        with ops.backend("triton"):
+            d = EagleDrafter(dm, model, **shape)
+            d.reset(1)
+            h = model(x[:, :-1], model.new_cache(1), capture=d.capture).hidden
+            d.extend(x[:, :-1], h, torch.tensor([8]))
+            out[mode] = d.rollout(x[:, -1], d.k, d.v)
+        assert bool(calls) == (mode == "auto")
+        calls.clear()
+    (tok, par, score), (tok0, par0, score0) = out["auto"], out["torch"]
+    assert torch.equal(tok, tok0) and torch.equal(par, par0)
+    torch.testing.assert_close(score, score0, rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(ops, "DRAFT_FUSED", "auto")
+    with ops.backend("triton"):  # training: gradients flow through the modules, no custom op
+        feat = torch.randn(1, 6, cfg.hidden_size)
+        hs = dm.unroll(feat, torch.randn(1, 6, cfg.hidden_size), 2)
+        hs[-1].sum().backward()
+    assert not calls and dm.qkv_proj.weight.grad is not None

@@ -29,3 +29,20 @@ def rowwise(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
     out = torch.cat([_rows_times(r[None], weight) for r in rows] or [_rows_times(rows, weight)])
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def fused(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+          residual: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
+    """A draft step's matmul with what surrounds it, in x's dtype:
+    norm_weight: x is RMS-normalised first (fp32, scaled by norm_weight, rounded to x's dtype:
+    `model.RMSNorm`); glu: weight is [gate; up] ([2I, K]) and the result silu(gate) * up [..., I]
+    (each rounded to x's dtype, as `model.GatedMLP`); residual: added to the product (rounded)."""
+    if norm_weight is not None:
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        xf = x.to(acc)
+        x = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * norm_weight.to(acc)).to(x.dtype)
+    y = _rows_times(x, weight)
+    if glu:
+        g, u = y.chunk(2, -1)
+        y = torch.nn.functional.silu(g) * u
+    return y if residual is None else residual + y

@@ -133,3 +133,81 @@ def rows(x: torch.Tensor, weight: torch.Tensor, *, num_warps: int = 4) -> torch.
     _rows_kernel[(triton.cdiv(N, BN),)](x.contiguous(), weight.contiguous(), y, M, N, K, BM=BM, BN=BN, BK=BK,
                                         num_warps=num_warps)
     return y
+
+
+FUSED_MAX_ROWS = 16
+
+
+@triton.jit
+def _fused_kernel(x, norm_w, weight, res, y, n_rows, n_out, n_in, eps, BM: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, RES: tl.constexpr):
+    outs = tl.program_id(0) * BN + tl.arange(0, BN)
+    rows = tl.arange(0, BM)
+    cols = tl.arange(0, BK)
+    mo, mr = outs < n_out, rows < n_rows
+    p_x = x + rows[:, None] * n_in + cols[None, :]
+    if NORM:  # every program normalises the rows itself: they are a few hundred values, read from L2
+        ss = tl.zeros([BM], tl.float32)
+        for k0 in range(0, n_in, BK):
+            xt = tl.load(p_x + k0, mask=mr[:, None] & (k0 + cols < n_in)[None, :], other=0.0).to(tl.float32)
+            ss += tl.sum(xt * xt, 1)
+        rstd = tl.rsqrt(ss / n_in + eps)
+    p_w = weight + outs[:, None].to(tl.int64) * n_in + cols[None, :]
+    acc = tl.zeros([BM, BN, BK], dtype=tl.float32)
+    acc_up = tl.zeros([BM, BN, BK], dtype=tl.float32)
+    for k0 in range(0, n_in, BK):
+        mk = k0 + cols < n_in
+        xt = tl.load(p_x + k0, mask=mr[:, None] & mk[None, :], other=0.0)
+        if NORM:  # rounded to x's dtype before the product, as the norm module's output is
+            g = tl.load(norm_w + k0 + cols, mask=mk, other=0.0).to(tl.float32)
+            xt = (xt.to(tl.float32) * rstd[:, None] * g[None, :]).to(x.dtype.element_ty)
+        xf = xt.to(tl.float32)[:, None, :]
+        wm = mo[:, None] & mk[None, :]
+        acc += xf * tl.load(p_w + k0, mask=wm, other=0.0, eviction_policy="evict_first").to(tl.float32)[None]
+        if GLU:  # up's row n is weight row n_out + n
+            wu = tl.load(p_w + n_out * n_in + k0, mask=wm, other=0.0, eviction_policy="evict_first")
+            acc_up += xf * wu.to(tl.float32)[None]
+    out = tl.sum(acc, 2)
+    if GLU:
+        gate = out.to(y.dtype.element_ty).to(tl.float32)
+        up = tl.sum(acc_up, 2).to(y.dtype.element_ty).to(tl.float32)
+        out = (gate * tl.sigmoid(gate)).to(y.dtype.element_ty).to(tl.float32) * up
+    m = mr[:, None] & mo[None, :]
+    if RES:
+        r = tl.load(res + rows[:, None] * n_out + outs[None, :], mask=m, other=0.0).to(tl.float32)
+        out = out.to(y.dtype.element_ty).to(tl.float32) + r
+    tl.store(y + rows[:, None] * n_out + outs[None, :], out.to(y.dtype.element_ty), mask=m)
+
+
+def fused_tiling(M: int, N: int, K: int, glu: bool = False) -> tuple[int, int, int]:
+    """(BM, BN, BK) of `_fused_kernel`: up to 16 outputs a program but ~64+ programs where N
+    allows, and at most 4096 accumulators (2048 each with GLU's two: 32 a thread at 4 warps)."""
+    BM = max(2, triton.next_power_of_2(M))
+    BN = min(16, max(2, triton.next_power_of_2(N // 64)))
+    BK = min(triton.next_power_of_2(K), max(16, (2048 if glu else 4096) // (BM * BN)))
+    return BM, BN, BK
+
+
+def fused(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+          residual: torch.Tensor | None = None, glu: bool = False, *, num_warps: int = 4) -> torch.Tensor:
+    """Same contract as `naive.fused` for up to FUSED_MAX_ROWS rows, one launch: a draft step's
+    matmuls with the RMS norm before them, SwiGLU's gate after, or the residual add (a launch
+    each in the drafter's compiled step). Multiply-adds as `rows` (no fp64)."""
+    N, K = weight.shape
+    if glu:
+        if N % 2:
+            raise ValueError(f"a GLU weight stacks gate and up: an even row count, got {N}")
+        N //= 2
+    M = x.numel() // K if x.shape[-1] == K else -1
+    if not 1 <= M <= FUSED_MAX_ROWS:
+        raise ValueError(f"fused takes 1-{FUSED_MAX_ROWS} rows of {K} values, got x {tuple(x.shape)}")
+    if residual is not None and residual.shape != (*x.shape[:-1], N):
+        raise ValueError(f"the residual must be {(*x.shape[:-1], N)}, got {tuple(residual.shape)}")
+    y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
+    BM, BN, BK = fused_tiling(M, N, K, glu)
+    x = x.contiguous()
+    _fused_kernel[(triton.cdiv(N, BN),)](
+        x, x if norm_weight is None else norm_weight.contiguous(), weight.contiguous(),
+        y if residual is None else residual.contiguous(), y, M, N, K, eps, BM=BM, BN=BN, BK=BK,
+        NORM=norm_weight is not None, GLU=glu, RES=residual is not None, num_warps=num_warps)
+    return y
