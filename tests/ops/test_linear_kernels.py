@@ -185,18 +185,20 @@ def test_invariant_linear_rows_do_not_depend_on_how_many_come(backend, dtype):
 
 @settings(max_examples=30, deadline=None, derandomize=True)
 @given(M=st.sampled_from([1, 2, 4, 9, 16]), N=st.sampled_from([1, 5, 37, 64, 130, 700]),
-       K=st.sampled_from([3, 16, 50, 130, 256, 600]), norm=st.booleans(), glu=st.booleans(), res=st.booleans(),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
-def test_fused_matches_reference(M, N, K, norm, glu, res, dtype, seed):
+       K=st.sampled_from([3, 16, 50, 130, 256, 600, 1100]), norm=st.booleans(), glu=st.booleans(),
+       res=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]), block_n=st.sampled_from([None, 1, 4]),
+       seed=st.integers(0, 2**16))
+def test_fused_matches_reference(M, N, K, norm, glu, res, dtype, block_n, seed):
     """Norm, product, gate and residual in one launch equal the reference composition: fp32 to
     rounding; bf16 within a few bf16 steps (the products' sums run in another order, so a
-    product may round to the neighbouring bf16 value, which the gate's silu(g) * u amplifies)."""
+    product may round to the neighbouring bf16 value, which the gate's silu(g) * u amplifies).
+    Rows up to FUSED_ONE_TILE long are read as one tile, longer ones in several."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(1, M, K, generator=g).to(dtype)
     w = (torch.randn(2 * N if glu else N, K, generator=g) / K ** 0.5).to(dtype)
     nw = (1 + 0.1 * torch.randn(K, generator=g)).to(dtype) if norm else None
     r = torch.randn(1, M, N, generator=g).to(dtype) if res else None
-    out = linear_triton.fused(x, w, nw, 1e-6, r, glu)
+    out = linear_triton.fused(x, w, nw, 1e-6, r, glu, block_n=block_n)
     ref = naive.fused(x, w, nw, 1e-6, r, glu)
     assert out.shape == ref.shape == (1, M, N) and out.dtype == dtype
     err = ((out.double() - ref.double()).abs().max() / ref.double().abs().max().clamp(min=1)).item()

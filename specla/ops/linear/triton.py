@@ -146,31 +146,50 @@ def _fused_kernel(x, norm_w, weight, res, y, n_rows, n_out, n_in, eps, BM: tl.co
     cols = tl.arange(0, BK)
     mo, mr = outs < n_out, rows < n_rows
     p_x = x + rows[:, None] * n_in + cols[None, :]
-    if NORM:  # every program normalises the rows itself: they are a few hundred values, read from L2
-        ss = tl.zeros([BM], tl.float32)
-        for k0 in range(0, n_in, BK):
-            xt = tl.load(p_x + k0, mask=mr[:, None] & (k0 + cols < n_in)[None, :], other=0.0).to(tl.float32)
-            ss += tl.sum(xt * xt, 1)
-        rstd = tl.rsqrt(ss / n_in + eps)
     p_w = weight + outs[:, None].to(tl.int64) * n_in + cols[None, :]
-    acc = tl.zeros([BM, BN, BK], dtype=tl.float32)
-    acc_up = tl.zeros([BM, BN, BK], dtype=tl.float32)
-    for k0 in range(0, n_in, BK):
-        mk = k0 + cols < n_in
-        xt = tl.load(p_x + k0, mask=mr[:, None] & mk[None, :], other=0.0)
-        if NORM:  # rounded to x's dtype before the product, as the norm module's output is
-            g = tl.load(norm_w + k0 + cols, mask=mk, other=0.0).to(tl.float32)
-            xt = (xt.to(tl.float32) * rstd[:, None] * g[None, :]).to(x.dtype.element_ty)
-        xf = xt.to(tl.float32)[:, None, :]
+    if BK >= n_in:  # the whole row in one tile: every load issued at once, the norm from the same tile
+        mk = cols < n_in
         wm = mo[:, None] & mk[None, :]
-        acc += xf * tl.load(p_w + k0, mask=wm, other=0.0, eviction_policy="evict_first").to(tl.float32)[None]
+        wt = tl.load(p_w, mask=wm, other=0.0, eviction_policy="evict_first")
         if GLU:  # up's row n is weight row n_out + n
-            wu = tl.load(p_w + n_out * n_in + k0, mask=wm, other=0.0, eviction_policy="evict_first")
-            acc_up += xf * wu.to(tl.float32)[None]
-    out = tl.sum(acc, 2)
+            wu = tl.load(p_w + n_out * n_in, mask=wm, other=0.0, eviction_policy="evict_first")
+        xt = tl.load(p_x, mask=mr[:, None] & mk[None, :], other=0.0)
+        if NORM:  # rounded to x's dtype before the product, as the norm module's output is
+            xf = xt.to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(xf * xf, 1) / n_in + eps)
+            g = tl.load(norm_w + cols, mask=mk, other=0.0).to(tl.float32)
+            xt = (xf * rstd[:, None] * g[None, :]).to(x.dtype.element_ty)
+        xf = xt.to(tl.float32)[:, None, :]
+        out = tl.sum(xf * wt.to(tl.float32)[None], 2)
+        if GLU:
+            out_up = tl.sum(xf * wu.to(tl.float32)[None], 2)
+    else:
+        if NORM:  # a pass over the rows for their norms first (a few thousand values, from L2)
+            ss = tl.zeros([BM], tl.float32)
+            for k0 in range(0, n_in, BK):
+                xt = tl.load(p_x + k0, mask=mr[:, None] & (k0 + cols < n_in)[None, :], other=0.0).to(tl.float32)
+                ss += tl.sum(xt * xt, 1)
+            rstd = tl.rsqrt(ss / n_in + eps)
+        acc = tl.zeros([BM, BN, BK], dtype=tl.float32)
+        acc_up = tl.zeros([BM, BN, BK], dtype=tl.float32)
+        for k0 in range(0, n_in, BK):
+            mk = k0 + cols < n_in
+            xt = tl.load(p_x + k0, mask=mr[:, None] & mk[None, :], other=0.0)
+            if NORM:
+                g = tl.load(norm_w + k0 + cols, mask=mk, other=0.0).to(tl.float32)
+                xt = (xt.to(tl.float32) * rstd[:, None] * g[None, :]).to(x.dtype.element_ty)
+            xf = xt.to(tl.float32)[:, None, :]
+            wm = mo[:, None] & mk[None, :]
+            acc += xf * tl.load(p_w + k0, mask=wm, other=0.0, eviction_policy="evict_first").to(tl.float32)[None]
+            if GLU:
+                wu = tl.load(p_w + n_out * n_in + k0, mask=wm, other=0.0, eviction_policy="evict_first")
+                acc_up += xf * wu.to(tl.float32)[None]
+        out = tl.sum(acc, 2)
+        if GLU:
+            out_up = tl.sum(acc_up, 2)
     if GLU:
         gate = out.to(y.dtype.element_ty).to(tl.float32)
-        up = tl.sum(acc_up, 2).to(y.dtype.element_ty).to(tl.float32)
+        up = out_up.to(y.dtype.element_ty).to(tl.float32)
         out = (gate * tl.sigmoid(gate)).to(y.dtype.element_ty).to(tl.float32) * up
     m = mr[:, None] & mo[None, :]
     if RES:
@@ -179,17 +198,22 @@ def _fused_kernel(x, norm_w, weight, res, y, n_rows, n_out, n_in, eps, BM: tl.co
     tl.store(y + rows[:, None] * n_out + outs[None, :], out.to(y.dtype.element_ty), mask=m)
 
 
-def fused_tiling(M: int, N: int, K: int, glu: bool = False) -> tuple[int, int, int]:
-    """(BM, BN, BK) of `_fused_kernel`: up to 16 outputs a program but ~64+ programs where N
-    allows, and at most 4096 accumulators (2048 each with GLU's two: 32 a thread at 4 warps)."""
-    BM = max(2, triton.next_power_of_2(M))
-    BN = min(16, max(2, triton.next_power_of_2(N // 64)))
-    BK = min(triton.next_power_of_2(K), max(16, (2048 if glu else 4096) // (BM * BN)))
+FUSED_ONE_TILE = 1024  # rows up to this long are read as one tile
+
+
+def fused_tiling(M: int, N: int, K: int, glu: bool = False, block_n: int | None = None) -> tuple[int, int, int]:
+    """(BM, BN, BK) of `_fused_kernel`: the whole row as one tile up to FUSED_ONE_TILE values,
+    and block_n outputs a program, by default as many as keep the product at 4096 values (2048
+    each with GLU's two: 32 a thread at 4 warps)."""
+    BM = triton.next_power_of_2(M)
+    BK = triton.next_power_of_2(K) if K <= FUSED_ONE_TILE else 256
+    BN = block_n or min(16, max(1, (2048 if glu else 4096) // (BM * BK)))
     return BM, BN, BK
 
 
 def fused(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-          residual: torch.Tensor | None = None, glu: bool = False, *, num_warps: int = 4) -> torch.Tensor:
+          residual: torch.Tensor | None = None, glu: bool = False, *, block_n: int | None = None,
+          num_warps: int = 4) -> torch.Tensor:
     """Same contract as `naive.fused` for up to FUSED_MAX_ROWS rows, one launch: a draft step's
     matmuls with the RMS norm before them, SwiGLU's gate after, or the residual add (a launch
     each in the drafter's compiled step). Multiply-adds as `rows` (no fp64)."""
@@ -204,7 +228,7 @@ def fused(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | Non
     if residual is not None and residual.shape != (*x.shape[:-1], N):
         raise ValueError(f"the residual must be {(*x.shape[:-1], N)}, got {tuple(residual.shape)}")
     y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
-    BM, BN, BK = fused_tiling(M, N, K, glu)
+    BM, BN, BK = fused_tiling(M, N, K, glu, block_n)
     x = x.contiguous()
     _fused_kernel[(triton.cdiv(N, BN),)](
         x, x if norm_weight is None else norm_weight.contiguous(), weight.contiguous(),
