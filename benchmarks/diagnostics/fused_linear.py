@@ -60,18 +60,18 @@ def main():
             variants = {"modules": lambda: compiled(x, w, nw, res, glu)}
             for bn in (1, 2, 4, 8, 16, 32):
                 for warps in (1, 2, 4):
-                    BM, BN, BK = linear_triton.fused_tiling(M, N, K, glu, bn)
+                    BM, BN, BK, _ = linear_triton.fused_tiling(M, N, K, glu, bn)
                     if BM * BN * BK > 8192 * warps // 4 or BN * 32 > 4 * (N // 2 if glu else N):
                         continue  # spills, or too few programs to matter
                     variants[f"fused BN={bn} w={warps}"] = (
                         lambda bn=bn, warps=warps: linear_triton.fused(x, w, nw, 1e-6, res, glu, block_n=bn,
                                                                        num_warps=warps))
-            default = linear_triton.fused_tiling(M, N, K, glu)[1]
+            default = linear_triton.fused_tiling(M, N, K, glu)
             for v, fn in variants.items():
                 fn()  # compile outside the graph
                 us = 1e3 * graph_time_ms(lambda fn=fn: [fn() for _ in range(CALLS)], True) / CALLS
                 out.append({"shape": name, "M": M, "N": N, "K": K, "variant": v, "us": us,
-                            "default": v == f"fused BN={default} w=4"})
+                            "default": v == f"fused BN={default[1]} w={default[3]}"})
             rows = [r for r in out if r["shape"] == name and r["M"] == M]
             best = min((r for r in rows if r["variant"] != "modules"), key=lambda r: r["us"])
             ref = next(r for r in rows if r["variant"] == "modules")

@@ -145,7 +145,7 @@ class EagleDrafterModel(nn.Module):
     def qkv(self, x: torch.Tensor, pos: torch.Tensor):
         """x [B, n, D] at positions pos [B, n] -> q, k (rotated), v, each [B, n, H, hd]."""
         B, n, _ = x.shape
-        if ops.fuses_linear(x):
+        if ops.fuses_linear(x, self.qkv_proj.weight):
             qkv = ops.fused_linear(x, self.qkv_proj.weight, self.attn_norm.weight, self.attn_norm.eps)
         else:
             qkv = ops.linear(self.attn_norm(x), self.qkv_proj.weight)
@@ -167,7 +167,7 @@ class EagleDrafterModel(nn.Module):
         """The rest of the layer after attention: h [B, n, D] (the next step's feature).
         gate_up: the MLP's `gate_up_weight()`, one matmul instead of two; with it, a draft step
         runs as three launches (`ops.fused_linear`) where it can."""
-        if gate_up is not None and ops.fuses_linear(attn):
+        if gate_up is not None and ops.fuses_linear(attn, gate_up):
             x = ops.fused_linear(attn, self.o_proj.weight, residual=x)
             act = ops.fused_linear(x, gate_up, self.mlp_norm.weight, self.mlp_norm.eps, glu=True)
             return ops.fused_linear(act, self.mlp.down_proj.weight, residual=x)
@@ -175,7 +175,7 @@ class EagleDrafterModel(nn.Module):
         return x + self.mlp(self.mlp_norm(x), gate_up)
 
     def logits(self, h: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
-        if ops.fuses_linear(h):
+        if ops.fuses_linear(h, lm_head_weight):
             return ops.fused_linear(h, lm_head_weight, self.norm.weight, self.norm.eps)
         return ops.linear(self.norm(h), lm_head_weight)
 

@@ -393,21 +393,31 @@ def _fused_rows(x: torch.Tensor) -> bool:
             and x.numel() // max(x.shape[-1], 1) <= linear_triton.FUSED_MAX_ROWS)
 
 
-def fuses_linear(x: torch.Tensor) -> bool:
-    """Whether a drafter should call `fused_linear` for x: it runs x's rows as one Triton
-    launch, outside autograd, unless SPECLA_DRAFT_FUSED=torch (else the caller composes its
-    modules: training, fp64, CPU, more rows than a draft step has)."""
-    return DRAFT_FUSED == "auto" and not torch.is_grad_enabled() and _fused_rows(x)
+# Above this many outputs, several rows stay on norm + cuBLAS: the demo's LM head (8192
+# outputs) at 4 rows took 5.4 µs fused at its best tiling against 4.8 µs for the modules
+# (fused_linear_adcfc79.json); cuBLAS runs several rows on the tensor cores.
+FUSED_MAX_OUTPUTS_MULTIROW = 4096
+
+
+def fuses_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a drafter should call `fused_linear` for x and weight: it runs x's rows as one
+    Triton launch, outside autograd, unless SPECLA_DRAFT_FUSED=torch (else the caller composes
+    its modules: training, fp64, CPU, more rows than a draft step has, a wide matmul of
+    several rows)."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    return (DRAFT_FUSED == "auto" and not torch.is_grad_enabled() and _fused_rows(x)
+            and (rows == 1 or weight.shape[0] <= FUSED_MAX_OUTPUTS_MULTIROW))
 
 
 @torch.library.custom_op("specla::fused_linear", mutates_args=())
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[torch.Tensor] = None,
                  eps: float = 1e-6, residual: Optional[torch.Tensor] = None, glu: bool = False) -> torch.Tensor:
     """A draft step's matmul with the RMS norm before it, SwiGLU's gate or the residual add
-    after it (`ops.linear.naive.fused`): one Triton launch where `fuses_linear`, the reference
-    elsewhere. On the demo drafter's step (H200) every norm, gate and add was a launch of its
-    own, ~1-1.3 µs of kernel and as much again of gap. A custom op, so that inside the drafter's
-    compiled rollout it stays one opaque call."""
+    after it (`ops.linear.naive.fused`): one Triton launch for up to 16 rows where Triton runs,
+    the reference elsewhere and for float64 (callers ask `fuses_linear` first). On the demo
+    drafter's step (H200) every norm, gate and add was a launch of its own: 4.1-6.0 µs a
+    matmul with them against 2.0-2.8 fused (fused_linear_adcfc79.json). A custom op, so that
+    inside the drafter's compiled rollout it stays one opaque call."""
     if not _fused_rows(x):
         return linear_ref.fused(x, weight, norm_weight, eps, residual, glu)
     from specla.ops.linear import triton as linear_triton

@@ -94,9 +94,9 @@ def variants(H=8, HV=8, K=256, V=256):
         for name, N, K, flags in (("norm+qkv", 768, 256, dict(NORM=True)), ("o_proj+res", 256, 256, dict(RES=True)),
                                   ("norm+gate|up+glu", 768, 256, dict(NORM=True, GLU=True)),
                                   ("down+res", 256, 768, dict(RES=True)), ("norm+lm_head", 8192, 256, dict(NORM=True))):
-            BM, BN, BK = linear.fused_tiling(M, N, K, flags.get("GLU", False))
+            BM, BN, BK, warps = linear.fused_tiling(M, N, K, flags.get("GLU", False))
             yield (f"fused {name} M={M}", linear._fused_kernel,
-                   dict(BM=BM, BN=BN, BK=BK, **{"NORM": False, "GLU": False, "RES": False, **flags}), 4)
+                   dict(BM=BM, BN=BN, BK=BK, **{"NORM": False, "GLU": False, "RES": False, **flags}), warps)
     for BM, BN, BK, warps in linear.SKINNY_TILINGS:
         yield (f"gemv-skinny BM={BM} BN={BN} BK={BK} w={warps}", linear._skinny_kernel,
                dict(BM=BM, BN=BN, BK=BK, PREC="tf32"), warps)

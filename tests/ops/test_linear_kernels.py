@@ -205,7 +205,7 @@ def test_fused_matches_reference(M, N, K, norm, glu, res, dtype, block_n, seed):
     assert err < (1e-5 if dtype == torch.float32 else 5e-2)
     if dtype == torch.bfloat16:  # most elements agree to a rounding step or two
         close = (out.double() - ref.double()).abs() <= 2 ** -6 * ref.double().abs() + 1e-2
-        assert close.double().mean() > 0.95
+        assert (~close).sum() <= max(2, 0.05 * close.numel())
 
 
 def test_fused_rejects_bad_shapes():

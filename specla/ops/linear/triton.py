@@ -199,21 +199,29 @@ def _fused_kernel(x, norm_w, weight, res, y, n_rows, n_out, n_in, eps, BM: tl.co
 
 
 FUSED_ONE_TILE = 1024  # rows up to this long are read as one tile
+# Outputs a program: about one per FUSED_SPREAD outputs (~3 programs an SM of the H200's 132), at
+# most 8, on one warp per 2048 products. `diagnostics/fused_linear.py` on the H200
+# (fused_linear_adcfc79.json: the demo drafter's five matmuls at 1 and 4 rows, 1-32 outputs a
+# program, 1-4 warps) put this rule's tiling at the best one in 6 of 9 cases and within 0.26 µs
+# in all: 2.0-2.8 µs a call against 4.1-6.0 µs for the modules' kernels (norm, cuBLAS, gate,
+# add); 4 warps and up to 16 outputs, its first tiling, took 2.2-4.0 µs. The tenth case, the
+# LM head at 4 rows, stays on the modules (`ops.fuses_linear`).
+FUSED_SPREAD = 384
 
 
-def fused_tiling(M: int, N: int, K: int, glu: bool = False, block_n: int | None = None) -> tuple[int, int, int]:
-    """(BM, BN, BK) of `_fused_kernel`: the whole row as one tile up to FUSED_ONE_TILE values,
-    and block_n outputs a program, by default as many as keep the product at 4096 values (2048
-    each with GLU's two: 32 a thread at 4 warps)."""
+def fused_tiling(M: int, N: int, K: int, glu: bool = False,
+                 block_n: int | None = None) -> tuple[int, int, int, int]:
+    """(BM, BN, BK, warps) of `_fused_kernel` for M rows, N outputs, rows of K: the whole row
+    as one tile up to FUSED_ONE_TILE values; block_n outputs a program if given."""
     BM = triton.next_power_of_2(M)
     BK = triton.next_power_of_2(K) if K <= FUSED_ONE_TILE else 256
-    BN = block_n or min(16, max(1, (2048 if glu else 4096) // (BM * BK)))
-    return BM, BN, BK
+    BN = block_n or min(8, max(1, triton.next_power_of_2(N // FUSED_SPREAD + 1) // 2))
+    return BM, BN, BK, min(4, max(1, BM * BN * BK // 2048))
 
 
 def fused(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
           residual: torch.Tensor | None = None, glu: bool = False, *, block_n: int | None = None,
-          num_warps: int = 4) -> torch.Tensor:
+          num_warps: int | None = None) -> torch.Tensor:
     """Same contract as `naive.fused` for up to FUSED_MAX_ROWS rows, one launch: a draft step's
     matmuls with the RMS norm before them, SwiGLU's gate after, or the residual add (a launch
     each in the drafter's compiled step). Multiply-adds as `rows` (no fp64)."""
@@ -228,10 +236,10 @@ def fused(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | Non
     if residual is not None and residual.shape != (*x.shape[:-1], N):
         raise ValueError(f"the residual must be {(*x.shape[:-1], N)}, got {tuple(residual.shape)}")
     y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
-    BM, BN, BK = fused_tiling(M, N, K, glu, block_n)
+    BM, BN, BK, warps = fused_tiling(M, N, K, glu, block_n)
     x = x.contiguous()
     _fused_kernel[(triton.cdiv(N, BN),)](
         x, x if norm_weight is None else norm_weight.contiguous(), weight.contiguous(),
         y if residual is None else residual.contiguous(), y, M, N, K, eps, BM=BM, BN=BN, BK=BK,
-        NORM=norm_weight is not None, GLU=glu, RES=residual is not None, num_warps=num_warps)
+        NORM=norm_weight is not None, GLU=glu, RES=residual is not None, num_warps=num_warps or warps)
     return y
