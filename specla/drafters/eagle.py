@@ -142,6 +142,16 @@ class EagleDrafterModel(nn.Module):
         """Entry input from the next token's embedding and a feature (F, or the drafter's own h)."""
         return ops.linear(torch.cat([self.norm_emb(emb), self.norm_feat(feat)], -1), self.fc.weight)
 
+    def step_inputs(self, table: torch.Tensor, tokens: torch.Tensor, h: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """`inputs` of a draft step's entries [B, n]: token embeddings from `table`, each
+        entry's feature the row src[b, i] of h [B, nb, D] (its parent beam's h), one launch
+        where it can (`ops.draft_inputs`)."""
+        D = h.shape[-1]
+        if ops.fuses_draft_inputs(h, self.fc.weight, tokens.numel()):
+            return ops.draft_inputs(table, tokens, h, src, self.norm_emb.weight, self.norm_feat.weight,
+                                    self.norm_emb.eps, self.fc.weight)
+        return self.inputs(F.embedding(tokens, table), h.gather(1, src[..., None].expand(*src.shape, D)))
+
     def qkv(self, x: torch.Tensor, pos: torch.Tensor):
         """x [B, n, D] at positions pos [B, n] -> q, k (rotated), v, each [B, n, H, hd]."""
         B, n, _ = x.shape
@@ -538,7 +548,7 @@ class EagleDrafter(Drafter):
             n = tokens.shape[1]
             start = 0 if d == 0 else 1 + (d - 1) * w
             rows = tree.entry_ancestors(None if d == 0 else rows, src, start, E)
-            x = m.inputs(tgt.embeddings(tokens), h.gather(1, src[..., None].expand(-1, -1, h.shape[-1])))
+            x = m.step_inputs(tgt.embeddings.weight, tokens, h, src)
             q, kk, v = m.qkv(x, (self.len + d)[:, None].expand(B, n))
             self._store(keys, values, self.len[:, None] + start + torch.arange(n, device=dev), kk, v)
             sees = rows.gather(2, entry_of_slot[:, None, :].expand(B, n, -1))

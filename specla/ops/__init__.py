@@ -386,11 +386,11 @@ def _fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, weight)
 
 
-def _fused_rows(x: torch.Tensor) -> bool:
+def _fused_rows(x: torch.Tensor, rows: int | None = None) -> bool:
     from specla.ops.linear import triton as linear_triton
 
-    return (use_triton(x) and x.dtype != torch.float64
-            and x.numel() // max(x.shape[-1], 1) <= linear_triton.FUSED_MAX_ROWS)
+    rows = x.numel() // max(x.shape[-1], 1) if rows is None else rows
+    return use_triton(x) and x.dtype != torch.float64 and rows <= linear_triton.FUSED_MAX_ROWS
 
 
 # Above this many outputs, several rows stay on norm + cuBLAS: the demo's LM head (8192
@@ -399,13 +399,13 @@ def _fused_rows(x: torch.Tensor) -> bool:
 FUSED_MAX_OUTPUTS_MULTIROW = 4096
 
 
-def fuses_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a drafter should call `fused_linear` for x and weight: it runs x's rows as one
-    Triton launch, outside autograd, unless SPECLA_DRAFT_FUSED=torch (else the caller composes
-    its modules: training, fp64, CPU, more rows than a draft step has, a wide matmul of
-    several rows)."""
-    rows = x.numel() // max(x.shape[-1], 1)
-    return (DRAFT_FUSED == "auto" and not torch.is_grad_enabled() and _fused_rows(x)
+def fuses_linear(x: torch.Tensor, weight: torch.Tensor, rows: int | None = None) -> bool:
+    """Whether a drafter should call `fused_linear` (or `draft_inputs`) for x and weight: it
+    runs x's rows (or `rows` entries) as one Triton launch, outside autograd, unless
+    SPECLA_DRAFT_FUSED=torch (else the caller composes its modules: training, fp64, CPU, more
+    rows than a draft step has, a wide matmul of several rows)."""
+    rows = x.numel() // max(x.shape[-1], 1) if rows is None else rows
+    return (DRAFT_FUSED == "auto" and not torch.is_grad_enabled() and _fused_rows(x, rows)
             and (rows == 1 or weight.shape[0] <= FUSED_MAX_OUTPUTS_MULTIROW))
 
 
@@ -428,6 +428,32 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[to
 @fused_linear.register_fake
 def _fused_linear_shape(x, weight, norm_weight=None, eps=1e-6, residual=None, glu=False):
     return x.new_empty(*x.shape[:-1], weight.shape[0] // 2 if glu else weight.shape[0])
+
+
+def fuses_draft_inputs(h: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
+    """`fuses_linear` for `draft_inputs`, whose kernel holds both halves of a row in one tile."""
+    from specla.ops.linear import triton as linear_triton
+
+    return fuses_linear(h, weight, rows) and 2 * h.shape[-1] <= linear_triton.FUSED_ONE_TILE
+
+
+@torch.library.custom_op("specla::draft_inputs", mutates_args=())
+def draft_inputs(table: torch.Tensor, tokens: torch.Tensor, h: torch.Tensor, src: torch.Tensor,
+                 norm_emb: torch.Tensor, norm_feat: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
+    """An EAGLE draft step's input (`ops.linear.naive.draft_inputs`: the tokens' embeddings and
+    the parents' features, each RMS-normalised, through fc): one Triton launch where Triton runs
+    and the entries are few (callers ask `fuses_draft_inputs`), the reference elsewhere. A custom op,
+    so that inside the drafter's compiled rollout it stays one opaque call."""
+    from specla.ops.linear import triton as linear_triton
+
+    if not _fused_rows(h, tokens.numel()) or 2 * h.shape[-1] > linear_triton.FUSED_ONE_TILE:
+        return linear_ref.draft_inputs(table, tokens, h, src, norm_emb, norm_feat, eps, weight)
+    return linear_triton.draft_inputs(table, tokens, h, src, norm_emb, norm_feat, eps, weight)
+
+
+@draft_inputs.register_fake
+def _draft_inputs_shape(table, tokens, h, src, norm_emb, norm_feat, eps, weight):
+    return h.new_empty(*tokens.shape, weight.shape[0])
 
 
 @torch.library.custom_op("specla::masked_attention", mutates_args=())

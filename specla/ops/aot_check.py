@@ -22,12 +22,13 @@ POINTERS = {
     "flags": "*i32", "counters": "*i32", "table": "*i32", "path_len": "*i32", "n_leaves": "*i32", "cand_i": "*i32", "tok": "*i64", "beams": "*i64",
     "plen": "*i64", "valid": "*i64", "path": "*i64", "length": "*i64", "tokens": "*i64", "target": "*i64",
     "last": "*i64", "root": "*i64", "depth": "*i64", "out_tok": "*i64", "out_par": "*i64", "slots": "*i32",
-    "allowed": "*u8", "x": "*bf16", "norm_w": "*bf16", "res": "*bf16", "conv_state": "*bf16", "weight": "*bf16", "y": "*bf16", "a": "*bf16", "bb": "*bf16", "z": "*bf16",
+    "allowed": "*u8", "x": "*bf16", "norm_w": "*bf16", "res": "*bf16", "emb_table": "*bf16", "h": "*bf16", "src": "*i64",
+    "norm_emb": "*bf16", "norm_feat": "*bf16", "conv_state": "*bf16", "weight": "*bf16", "y": "*bf16", "a": "*bf16", "bb": "*bf16", "z": "*bf16",
 }
 ALIGNED = ("n_in",)
 SCALARS = {"scale": "fp32", "n": "i32", "P": "i32", "C": "i32", "n_tiles": "i32", "n_out": "i32", "n_in": "i32",
            "n_rows": "i32", "eps": "fp32", "V": "i32", "NC": "i32", "s_row": "i32", "nb": "i32", "W": "i32", "NS": "i32",
-           "M": "i32", "s_depth": "i32", "tau": "fp32"}
+           "M": "i32", "s_depth": "i32", "tau": "fp32", "D": "i32"}
 
 
 def variants(H=8, HV=8, K=256, V=256):
@@ -97,6 +98,8 @@ def variants(H=8, HV=8, K=256, V=256):
             BM, BN, BK, warps = linear.fused_tiling(M, N, K, flags.get("GLU", False))
             yield (f"fused {name} M={M}", linear._fused_kernel,
                    dict(BM=BM, BN=BN, BK=BK, **{"NORM": False, "GLU": False, "RES": False, **flags}), warps)
+        BM, BN, BK, warps = linear.fused_tiling(M, 256, 512)
+        yield f"draft_inputs M={M}", linear._draft_inputs_kernel, dict(BM=BM, BN=BN, BD=BK // 2), warps
     for BM, BN, BK, warps in linear.SKINNY_TILINGS:
         yield (f"gemv-skinny BM={BM} BN={BN} BK={BK} w={warps}", linear._skinny_kernel,
                dict(BM=BM, BN=BN, BK=BK, PREC="tf32"), warps)

@@ -208,6 +208,27 @@ def test_fused_matches_reference(M, N, K, norm, glu, res, dtype, block_n, seed):
         assert (~close).sum() <= max(2, 0.05 * close.numel())
 
 
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(B=st.sampled_from([1, 2]), n=st.sampled_from([1, 3, 4]), nb=st.sampled_from([1, 4]),
+       D=st.sampled_from([16, 48, 256]), N=st.sampled_from([7, 64, 256]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_draft_inputs_matches_reference(B, n, nb, D, N, dtype, seed):
+    """A draft step's input in one launch (embedding lookup, the parent's h by src, both norms,
+    fc) equals the reference: fp32 to rounding, bf16 within a few bf16 steps."""
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randn(50, D, generator=g).to(dtype)
+    tokens = torch.randint(0, 50, (B, n), generator=g)
+    h = torch.randn(B, nb, D, generator=g).to(dtype)
+    src = torch.randint(0, nb, (B, n), generator=g)
+    ne, nf = ((1 + 0.1 * torch.randn(D, generator=g)).to(dtype) for _ in range(2))
+    w = (torch.randn(N, 2 * D, generator=g) / D ** 0.5).to(dtype)
+    out = linear_triton.draft_inputs(table, tokens, h, src, ne, nf, 1e-6, w)
+    ref = naive.draft_inputs(table, tokens, h, src, ne, nf, 1e-6, w)
+    assert out.shape == ref.shape == (B, n, N) and out.dtype == dtype
+    err = ((out.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+    assert err < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
 def test_fused_rejects_bad_shapes():
     x = torch.randn(1, 3, 32)
     with pytest.raises(ValueError, match="rows"):
@@ -220,9 +241,10 @@ def test_fused_rejects_bad_shapes():
 
 @pytest.mark.parametrize("shape", [dict(topk=1, depth=4), dict(topk=3, depth=3, budget=8)])
 def test_drafter_step_with_fused_linear_equals_its_modules(shape, monkeypatch):
-    """The EAGLE drafter's step on `ops.fused_linear` (norm + qkv, o_proj + residual, norm +
-    gate|up + gate, down + residual, norm + LM head) drafts what its modules draft (fp32, a
-    random drafter over a random target), and the training path keeps autograd's modules."""
+    """The EAGLE drafter's step on `ops.draft_inputs` and `ops.fused_linear` (norm + qkv,
+    o_proj + residual, norm + gate|up + gate, down + residual, norm + LM head) drafts what its
+    modules draft (fp32, a random drafter over a random target), and the training path keeps
+    autograd's modules."""
     import sys
     from pathlib import Path
 
@@ -237,8 +259,9 @@ def test_drafter_step_with_fused_linear_equals_its_modules(shape, monkeypatch):
     dm = EagleDrafterModel(EagleConfig.for_target(cfg)).float().eval()
     x = torch.randint(3, cfg.vocab_size, (1, 9))
     calls = []
-    real = linear_triton.fused
-    monkeypatch.setattr(linear_triton, "fused", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for fn in ("fused", "draft_inputs"):
+        monkeypatch.setattr(linear_triton, fn, lambda *a, _f=getattr(linear_triton, fn), _n=fn, **k:
+                            calls.append(_n) or _f(*a, **k))
     out = {}
     for mode in ("auto", "torch"):
         monkeypatch.setattr(ops, "DRAFT_FUSED", mode)
@@ -248,7 +271,7 @@ def test_drafter_step_with_fused_linear_equals_its_modules(shape, monkeypatch):
             h = model(x[:, :-1], model.new_cache(1), capture=d.capture).hidden
             d.extend(x[:, :-1], h, torch.tensor([8]))
             out[mode] = d.rollout(x[:, -1], d.k, d.v)
-        assert bool(calls) == (mode == "auto")
+        assert set(calls) == ({"fused", "draft_inputs"} if mode == "auto" else set())
         calls.clear()
     (tok, par, score), (tok0, par0, score0) = out["auto"], out["torch"]
     assert torch.equal(tok, tok0) and torch.equal(par, par0)

@@ -38,11 +38,25 @@ def fused(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | Non
     `model.RMSNorm`); glu: weight is [gate; up] ([2I, K]) and the result silu(gate) * up [..., I]
     (each rounded to x's dtype, as `model.GatedMLP`); residual: added to the product (rounded)."""
     if norm_weight is not None:
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        xf = x.to(acc)
-        x = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * norm_weight.to(acc)).to(x.dtype)
+        x = _rms(x, norm_weight, eps)
     y = _rows_times(x, weight)
     if glu:
         g, u = y.chunk(2, -1)
         y = torch.nn.functional.silu(g) * u
     return y if residual is None else residual + y
+
+
+def draft_inputs(table: torch.Tensor, tokens: torch.Tensor, h: torch.Tensor, src: torch.Tensor,
+                 norm_emb: torch.Tensor, norm_feat: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
+    """An EAGLE draft step's input [B, n, N]: fc([norm_emb(table[tokens]); norm_feat(h[src])]),
+    tokens and src [B, n] (src[b, i]: the row of h [B, nb, D] that entry i reads), weight
+    [N, 2D]; norms and product as `fused`."""
+    D = h.shape[-1]
+    feat = h.gather(1, src[..., None].expand(*src.shape, D))
+    return fused(torch.cat([_rms(table[tokens], norm_emb, eps), _rms(feat, norm_feat, eps)], -1), weight)
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xf = x.to(acc)
+    return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * w.to(acc)).to(x.dtype)

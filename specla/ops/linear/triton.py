@@ -243,3 +243,49 @@ def fused(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | Non
         y if residual is None else residual.contiguous(), y, M, N, K, eps, BM=BM, BN=BN, BK=BK,
         NORM=norm_weight is not None, GLU=glu, RES=residual is not None, num_warps=num_warps or warps)
     return y
+
+
+@triton.jit
+def _draft_inputs_kernel(emb_table, tokens, h, src, norm_emb, norm_feat, weight, y, n_rows, n, nb, n_out, D, eps,
+                         BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
+    outs = tl.program_id(0) * BN + tl.arange(0, BN)
+    rows = tl.arange(0, BM)
+    d = tl.arange(0, BD)
+    mo, mr, md = outs < n_out, rows < n_rows, d < D
+    p_w = weight + outs[:, None].to(tl.int64) * (2 * D) + d[None, :]
+    wm = mo[:, None] & md[None, :]
+    w_emb = tl.load(p_w, mask=wm, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    w_feat = tl.load(p_w + D, mask=wm, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    tok = tl.load(tokens + rows, mask=mr, other=0)
+    hrow = (rows // n) * nb + tl.load(src + rows, mask=mr, other=0)  # entry (b, i) reads h[b, src[b, i]]
+    m = mr[:, None] & md[None, :]
+    e = tl.load(emb_table + tok[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)
+    f = tl.load(h + hrow[:, None].to(tl.int64) * D + d[None, :], mask=m, other=0.0).to(tl.float32)
+    ge = tl.load(norm_emb + d, mask=md, other=0.0).to(tl.float32)
+    gf = tl.load(norm_feat + d, mask=md, other=0.0).to(tl.float32)
+    e = (e * tl.rsqrt(tl.sum(e * e, 1) / D + eps)[:, None] * ge[None, :]).to(y.dtype.element_ty).to(tl.float32)
+    f = (f * tl.rsqrt(tl.sum(f * f, 1) / D + eps)[:, None] * gf[None, :]).to(y.dtype.element_ty).to(tl.float32)
+    out = tl.sum(e[:, None, :] * w_emb[None] + f[:, None, :] * w_feat[None], 2)
+    tl.store(y + rows[:, None] * n_out + outs[None, :], out.to(y.dtype.element_ty), mask=mr[:, None] & mo[None, :])
+
+
+def draft_inputs(table: torch.Tensor, tokens: torch.Tensor, h: torch.Tensor, src: torch.Tensor,
+                 norm_emb: torch.Tensor, norm_feat: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
+    """Same contract as `naive.draft_inputs` for up to FUSED_MAX_ROWS entries and D up to
+    FUSED_ONE_TILE / 2, one launch: the embedding lookup, the parents' h, both norms and fc (on
+    the demo drafter's step they were two Inductor kernels and cuBLAS's)."""
+    B, n = tokens.shape
+    nb, D = h.shape[1], h.shape[2]
+    N = weight.shape[0]
+    M = B * n
+    if not 1 <= M <= FUSED_MAX_ROWS or 2 * D > FUSED_ONE_TILE or weight.shape[1] != 2 * D:
+        raise ValueError(f"draft_inputs takes 1-{FUSED_MAX_ROWS} entries of D <= {FUSED_ONE_TILE // 2} and "
+                         f"a [N, 2D] weight, got tokens {tuple(tokens.shape)}, h {tuple(h.shape)}, "
+                         f"weight {tuple(weight.shape)}")
+    y = torch.empty(B, n, N, dtype=h.dtype, device=h.device)
+    BM, BN, BK, warps = fused_tiling(M, N, 2 * D)
+    _draft_inputs_kernel[(triton.cdiv(N, BN),)](
+        table.contiguous(), tokens.contiguous(), h.contiguous(), src.contiguous(), norm_emb.contiguous(),
+        norm_feat.contiguous(), weight.contiguous(), y, M, n, nb, N, D, eps, BM=BM, BN=BN, BD=BK // 2,
+        num_warps=warps)
+    return y
