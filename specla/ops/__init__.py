@@ -404,8 +404,13 @@ def fuses_linear(x: torch.Tensor, weight: torch.Tensor, rows: int | None = None)
     runs x's rows (or `rows` entries) as one Triton launch, outside autograd, unless
     SPECLA_DRAFT_FUSED=torch (else the caller composes its modules: training, fp64, CPU, more
     rows than a draft step has, a wide matmul of several rows)."""
+    from specla.ops.linear import triton as linear_triton
+
     rows = x.numel() // max(x.shape[-1], 1) if rows is None else rows
+    # rows of one tile only: the kernel's several-tile loop is tested but was never timed on the
+    # GPU, so wider drafters (the 1.3B stand-in's 2048) keep cuBLAS's kernels
     return (DRAFT_FUSED == "auto" and not torch.is_grad_enabled() and _fused_rows(x, rows)
+            and weight.shape[1] <= linear_triton.FUSED_ONE_TILE
             and (rows == 1 or weight.shape[0] <= FUSED_MAX_OUTPUTS_MULTIROW))
 
 
@@ -430,20 +435,14 @@ def _fused_linear_shape(x, weight, norm_weight=None, eps=1e-6, residual=None, gl
     return x.new_empty(*x.shape[:-1], weight.shape[0] // 2 if glu else weight.shape[0])
 
 
-def fuses_draft_inputs(h: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
-    """`fuses_linear` for `draft_inputs`, whose kernel holds both halves of a row in one tile."""
-    from specla.ops.linear import triton as linear_triton
-
-    return fuses_linear(h, weight, rows) and 2 * h.shape[-1] <= linear_triton.FUSED_ONE_TILE
-
-
 @torch.library.custom_op("specla::draft_inputs", mutates_args=())
 def draft_inputs(table: torch.Tensor, tokens: torch.Tensor, h: torch.Tensor, src: torch.Tensor,
                  norm_emb: torch.Tensor, norm_feat: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
     """An EAGLE draft step's input (`ops.linear.naive.draft_inputs`: the tokens' embeddings and
     the parents' features, each RMS-normalised, through fc): one Triton launch where Triton runs
-    and the entries are few (callers ask `fuses_draft_inputs`), the reference elsewhere. A custom op,
-    so that inside the drafter's compiled rollout it stays one opaque call."""
+    and the entries are few (callers ask `fuses_linear` with fc's weight), the reference
+    elsewhere. A custom op, so that inside the drafter's compiled rollout it stays one opaque
+    call."""
     from specla.ops.linear import triton as linear_triton
 
     if not _fused_rows(h, tokens.numel()) or 2 * h.shape[-1] > linear_triton.FUSED_ONE_TILE:

@@ -282,3 +282,25 @@ def test_drafter_step_with_fused_linear_equals_its_modules(shape, monkeypatch):
         hs = dm.unroll(feat, torch.randn(1, 6, cfg.hidden_size), 2)
         hs[-1].sum().backward()
     assert not calls and dm.qkv_proj.weight.grad is not None
+
+
+def test_fuses_linear_only_where_measured(monkeypatch):
+    """The drafter takes the fused kernels for few rows of one tile, outside autograd, on
+    Triton; a wide LM head of several rows, rows longer than a tile (never timed on the GPU),
+    training and SPECLA_DRAFT_FUSED=torch keep the modules."""
+    from specla import ops
+
+    x1, x4 = torch.randn(1, 1, 256), torch.randn(1, 4, 256)
+    head, qkv, wide = torch.randn(8192, 256), torch.randn(768, 256), torch.randn(256, 2048)
+    assert not ops.fuses_linear(x1, qkv)  # CPU: no Triton
+    with ops.backend("triton"), torch.no_grad():
+        assert ops.fuses_linear(x1, qkv) and ops.fuses_linear(x4, qkv) and ops.fuses_linear(x1, head)
+        assert not ops.fuses_linear(x4, head)
+        assert not ops.fuses_linear(torch.randn(1, 1, 2048), wide)
+        assert not ops.fuses_linear(torch.randn(1, 17, 256), qkv)
+        assert not ops.fuses_linear(x1.double(), qkv.double())
+        monkeypatch.setattr(ops, "DRAFT_FUSED", "torch")
+        assert not ops.fuses_linear(x1, qkv)
+    monkeypatch.setattr(ops, "DRAFT_FUSED", "auto")
+    with ops.backend("triton"):
+        assert torch.is_grad_enabled() and not ops.fuses_linear(x1, qkv)  # gradients wanted
