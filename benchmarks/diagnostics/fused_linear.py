@@ -5,7 +5,8 @@ residual, norm + LM head) at 1 row (a chain's draft step) and 4 (a tree depth's 
 gate and add kernels around cuBLAS); the fused kernel runs at every (outputs a program, warps)
 tiling. Each variant 20 times in one CUDA graph: µs a call, launch gaps included.
 
-    python benchmarks/diagnostics/fused_linear.py [--out FILE]
+    python benchmarks/diagnostics/fused_linear.py [--out FILE]     # the PNG beside the JSON
+    python benchmarks/diagnostics/fused_linear.py --replot FILE.json
 """
 
 from __future__ import annotations
@@ -45,7 +46,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,4")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--replot", default=None, help="draw the PNG of an earlier run's JSON and stop")
     a = ap.parse_args()
+    if a.replot:
+        return plot(json.load(open(a.replot))["rows"], a.replot.removesuffix(".json") + ".png")
     torch.set_grad_enabled(False)
     dev, dt = "cuda", torch.bfloat16
     torch._dynamo.config.cache_size_limit = 64  # a compile per shape, none of them dynamic
@@ -81,6 +85,37 @@ def main():
     if a.out:
         with open(a.out, "w") as f:
             json.dump({**environment(), "calls_per_graph": CALLS, "rows": out}, f, indent=1)
+        plot(out, a.out.removesuffix(".json") + ".png")
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """µs a call per shape and row count: the modules, the fused kernel at the tiling
+    `fused_tiling` picks now, and its best tiling of the sweep."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys((r["shape"], r["M"]) for r in rows))
+    series = {"modules (norm, cuBLAS, gate, add)": [], "fused, current tiling": [], "fused, best tiling": []}
+    for name, M in cases:
+        rs = [r for r in rows if (r["shape"], r["M"]) == (name, M)]
+        N, K, _, glu, _ = (rs[0]["N"], rs[0]["K"], *SHAPES[name][2:])
+        _, bn, _, warps = linear_triton.fused_tiling(M, N // 2 if glu else N, K, glu)
+        pick = {r["variant"]: r["us"] for r in rs}
+        series["modules (norm, cuBLAS, gate, add)"].append(pick["modules"])
+        series["fused, current tiling"].append(pick.get(f"fused BN={bn} w={warps}", float("nan")))
+        series["fused, best tiling"].append(min(v for k, v in pick.items() if k != "modules"))
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.27
+    for i, (label, ys) in enumerate(series.items()):
+        ax.bar([c + (i - 1) * width for c in range(len(cases))], ys, width, label=label)
+    ax.set_xticks(range(len(cases)), [f"{n}\n{M} row{'s' if M > 1 else ''}" for n, M in cases], fontsize=7)
+    ax.set_ylabel("µs a call (20 a CUDA graph)")
+    ax.set_title("The demo drafter's step matmuls, bf16, H200")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -82,7 +82,10 @@ def beam_search(step, root: torch.Tensor, topk: int, depth: int, tau: float | No
     """
     B, dev = root.shape[0], root.device
     width = topk if width is None else width
-    beam_tok, src = root[:, None], torch.zeros(B, 1, dtype=torch.long, device=dev)
+    # one tensor for every width-1 depth's src: inside a compiled rollout each fresh zeros that a
+    # custom op (`ops.draft_inputs`) reads is a kernel of its own (8 a chain round on the H200)
+    first = torch.zeros(B, 1, dtype=torch.long, device=dev)
+    beam_tok, src = root[:, None], first
     beam_pool = torch.full((B, 1), -1, dtype=torch.long, device=dev)  # the root is no pool node
     beam_score, best, size, pool = None, None, 0, []
     for d in range(depth):
@@ -98,7 +101,7 @@ def beam_search(step, root: torch.Tensor, topk: int, depth: int, tau: float | No
         if width == 1:
             # one beam, and its best child is its first (children come best first): constant
             # indices, which a compiled rollout folds into plain slices, as a chain's
-            src = torch.zeros(B, 1, dtype=torch.long, device=dev)
+            src = first
             beam_pool = torch.full((B, 1), size, dtype=torch.long, device=dev)
             beam_tok, beam_score = tok[:, :1], score[:, :1]
         else:
