@@ -81,8 +81,8 @@ BEAM_EXPAND = os.environ.get("SPECLA_BEAM_EXPAND", "auto")
 if BEAM_EXPAND not in ("auto", "torch"):
     raise ValueError(f"SPECLA_BEAM_EXPAND={BEAM_EXPAND!r}: expected auto or torch")
 # `SPECLA_DRAFT_FUSED=torch`: the drafter's step as separate norm, matmul, gate and add kernels
-# (as Inductor fuses them) instead of `ops.fused_linear` (an A/B switch for benchmarks), read
-# when the rollout is traced
+# (as Inductor fuses them) instead of `ops.fused_linear` and `ops.draft_inputs` (an A/B switch
+# for benchmarks), read when the rollout is traced
 DRAFT_FUSED = os.environ.get("SPECLA_DRAFT_FUSED", "auto")
 if DRAFT_FUSED not in ("auto", "torch"):
     raise ValueError(f"SPECLA_DRAFT_FUSED={DRAFT_FUSED!r}: expected auto or torch")
