@@ -386,11 +386,15 @@ def _fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, weight)
 
 
-def _fused_rows(x: torch.Tensor, rows: int | None = None) -> bool:
+def _fused_rows(x: torch.Tensor, rows: int | None = None, width: int | None = None) -> bool:
+    """Whether the fused kernels take x's rows (or `rows` entries of `width` values): Triton, not
+    fp64, at most FUSED_MAX_ROWS rows of at most FUSED_ONE_TILE values (one tile a row)."""
     from specla.ops.linear import triton as linear_triton
 
     rows = x.numel() // max(x.shape[-1], 1) if rows is None else rows
-    return use_triton(x) and x.dtype != torch.float64 and rows <= linear_triton.FUSED_MAX_ROWS
+    width = x.shape[-1] if width is None else width
+    return (use_triton(x) and x.dtype != torch.float64 and rows <= linear_triton.FUSED_MAX_ROWS
+            and width <= linear_triton.FUSED_ONE_TILE)
 
 
 # Above this many outputs, several rows stay on norm + cuBLAS: the demo's LM head (8192
@@ -403,14 +407,10 @@ def fuses_linear(x: torch.Tensor, weight: torch.Tensor, rows: int | None = None)
     """Whether a drafter should call `fused_linear` (or `draft_inputs`) for x and weight: it
     runs x's rows (or `rows` entries) as one Triton launch, outside autograd, unless
     SPECLA_DRAFT_FUSED=torch (else the caller composes its modules: training, fp64, CPU, more
-    rows than a draft step has, a wide matmul of several rows)."""
-    from specla.ops.linear import triton as linear_triton
-
+    rows than a draft step has, rows longer than a tile, as the 1.3B stand-in's, a wide matmul of
+    several rows)."""
     rows = x.numel() // max(x.shape[-1], 1) if rows is None else rows
-    # rows of one tile only: the kernel's several-tile loop is tested but was never timed on the
-    # GPU, so wider drafters (the 1.3B stand-in's 2048) keep cuBLAS's kernels
-    return (DRAFT_FUSED == "auto" and not torch.is_grad_enabled() and _fused_rows(x, rows)
-            and weight.shape[1] <= linear_triton.FUSED_ONE_TILE
+    return (DRAFT_FUSED == "auto" and not torch.is_grad_enabled() and _fused_rows(x, rows, weight.shape[1])
             and (rows == 1 or weight.shape[0] <= FUSED_MAX_OUTPUTS_MULTIROW))
 
 
@@ -418,8 +418,8 @@ def fuses_linear(x: torch.Tensor, weight: torch.Tensor, rows: int | None = None)
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[torch.Tensor] = None,
                  eps: float = 1e-6, residual: Optional[torch.Tensor] = None, glu: bool = False) -> torch.Tensor:
     """A draft step's matmul with the RMS norm before it, SwiGLU's gate or the residual add
-    after it (`ops.linear.naive.fused`): one Triton launch for up to 16 rows where Triton runs,
-    the reference elsewhere and for float64 (callers ask `fuses_linear` first). On the demo
+    after it (`ops.linear.naive.fused`): one Triton launch where `_fused_rows`, the reference
+    elsewhere (callers ask `fuses_linear` first). On the demo
     drafter's step (H200) every norm, gate and add was a launch of its own: 4.1-6.0 µs a
     matmul with them against 2.0-2.8 fused (fused_linear_adcfc79.json). A custom op, so that
     inside the drafter's compiled rollout it stays one opaque call."""
@@ -443,10 +443,10 @@ def draft_inputs(table: torch.Tensor, tokens: torch.Tensor, h: torch.Tensor, src
     and the entries are few (callers ask `fuses_linear` with fc's weight), the reference
     elsewhere. A custom op, so that inside the drafter's compiled rollout it stays one opaque
     call."""
+    if not _fused_rows(h, tokens.numel(), weight.shape[1]):
+        return linear_ref.draft_inputs(table, tokens, h, src, norm_emb, norm_feat, eps, weight)
     from specla.ops.linear import triton as linear_triton
 
-    if not _fused_rows(h, tokens.numel()) or 2 * h.shape[-1] > linear_triton.FUSED_ONE_TILE:
-        return linear_ref.draft_inputs(table, tokens, h, src, norm_emb, norm_feat, eps, weight)
     return linear_triton.draft_inputs(table, tokens, h, src, norm_emb, norm_feat, eps, weight)
 
 

@@ -185,14 +185,14 @@ def test_invariant_linear_rows_do_not_depend_on_how_many_come(backend, dtype):
 
 @settings(max_examples=30, deadline=None, derandomize=True)
 @given(M=st.sampled_from([1, 2, 4, 9, 16]), N=st.sampled_from([1, 5, 37, 64, 130, 700]),
-       K=st.sampled_from([3, 16, 50, 130, 256, 600, 1100]), norm=st.booleans(), glu=st.booleans(),
+       K=st.sampled_from([3, 16, 50, 130, 256, 600, 1024]), norm=st.booleans(), glu=st.booleans(),
        res=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]), block_n=st.sampled_from([None, 1, 4]),
        seed=st.integers(0, 2**16))
 def test_fused_matches_reference(M, N, K, norm, glu, res, dtype, block_n, seed):
     """Norm, product, gate and residual in one launch equal the reference composition: fp32 to
     rounding; bf16 within a few bf16 steps (the products' sums run in another order, so a
     product may round to the neighbouring bf16 value, which the gate's silu(g) * u amplifies).
-    Rows up to FUSED_ONE_TILE long are read as one tile, longer ones in several."""
+    Rows up to FUSED_ONE_TILE long, each one tile."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(1, M, K, generator=g).to(dtype)
     w = (torch.randn(2 * N if glu else N, K, generator=g) / K ** 0.5).to(dtype)
@@ -233,6 +233,8 @@ def test_fused_rejects_bad_shapes():
     x = torch.randn(1, 3, 32)
     with pytest.raises(ValueError, match="rows"):
         linear_triton.fused(torch.randn(17, 32), torch.randn(8, 32))
+    with pytest.raises(ValueError, match="at most 1024 values"):
+        linear_triton.fused(torch.randn(1, 1100), torch.randn(8, 1100))
     with pytest.raises(ValueError, match="even"):
         linear_triton.fused(x, torch.randn(7, 32), glu=True)
     with pytest.raises(ValueError, match="residual"):
@@ -282,6 +284,21 @@ def test_drafter_step_with_fused_linear_equals_its_modules(shape, monkeypatch):
         hs = dm.unroll(feat, torch.randn(1, 6, cfg.hidden_size), 2)
         hs[-1].sum().backward()
     assert not calls and dm.qkv_proj.weight.grad is not None
+
+
+def test_fused_op_keeps_rows_longer_than_a_tile_on_the_reference():
+    """`ops.fused_linear` / `ops.draft_inputs` on rows the kernels do not take (longer than a
+    tile, too many, fp64) compute the reference."""
+    from specla import ops
+
+    g = torch.Generator().manual_seed(0)
+    x, w, nw = torch.randn(1, 2, 1100, generator=g), torch.randn(8, 1100, generator=g), torch.rand(1100, generator=g)
+    with ops.backend("triton"):
+        assert torch.equal(ops.fused_linear(x, w, nw), naive.fused(x, w, nw))
+        table, h, fc = torch.randn(9, 600, generator=g), torch.randn(1, 1, 600, generator=g), torch.randn(8, 1200)
+        tok, src, ones = torch.tensor([[3]]), torch.zeros(1, 1, dtype=torch.long), torch.ones(600)
+        assert torch.equal(ops.draft_inputs(table, tok, h, src, ones, ones, 1e-6, fc),
+                           naive.draft_inputs(table, tok, h, src, ones, ones, 1e-6, fc))
 
 
 def test_fuses_linear_only_where_measured(monkeypatch):

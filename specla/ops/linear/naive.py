@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from specla.ops.norm import naive as norm_ref
+from specla.precision import accumulation_dtype
+
 
 def _rows_times(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -57,6 +60,5 @@ def draft_inputs(table: torch.Tensor, tokens: torch.Tensor, h: torch.Tensor, src
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    xf = x.to(acc)
-    return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * w.to(acc)).to(x.dtype)
+    """`model.RMSNorm`: in fp32 (fp64 for fp64), rounded to x's dtype."""
+    return norm_ref.gated(x.to(accumulation_dtype(x.dtype)), None, w, eps, "silu").to(x.dtype)

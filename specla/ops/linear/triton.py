@@ -136,69 +136,7 @@ def rows(x: torch.Tensor, weight: torch.Tensor, *, num_warps: int = 4) -> torch.
 
 
 FUSED_MAX_ROWS = 16
-
-
-@triton.jit
-def _fused_kernel(x, norm_w, weight, res, y, n_rows, n_out, n_in, eps, BM: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, RES: tl.constexpr):
-    outs = tl.program_id(0) * BN + tl.arange(0, BN)
-    rows = tl.arange(0, BM)
-    cols = tl.arange(0, BK)
-    mo, mr = outs < n_out, rows < n_rows
-    p_x = x + rows[:, None] * n_in + cols[None, :]
-    p_w = weight + outs[:, None].to(tl.int64) * n_in + cols[None, :]
-    if BK >= n_in:  # the whole row in one tile: every load issued at once, the norm from the same tile
-        mk = cols < n_in
-        wm = mo[:, None] & mk[None, :]
-        wt = tl.load(p_w, mask=wm, other=0.0, eviction_policy="evict_first")
-        if GLU:  # up's row n is weight row n_out + n
-            wu = tl.load(p_w + n_out * n_in, mask=wm, other=0.0, eviction_policy="evict_first")
-        xt = tl.load(p_x, mask=mr[:, None] & mk[None, :], other=0.0)
-        if NORM:  # rounded to x's dtype before the product, as the norm module's output is
-            xf = xt.to(tl.float32)
-            rstd = tl.rsqrt(tl.sum(xf * xf, 1) / n_in + eps)
-            g = tl.load(norm_w + cols, mask=mk, other=0.0).to(tl.float32)
-            xt = (xf * rstd[:, None] * g[None, :]).to(x.dtype.element_ty)
-        xf = xt.to(tl.float32)[:, None, :]
-        out = tl.sum(xf * wt.to(tl.float32)[None], 2)
-        if GLU:
-            out_up = tl.sum(xf * wu.to(tl.float32)[None], 2)
-    else:
-        if NORM:  # a pass over the rows for their norms first (a few thousand values, from L2)
-            ss = tl.zeros([BM], tl.float32)
-            for k0 in range(0, n_in, BK):
-                xt = tl.load(p_x + k0, mask=mr[:, None] & (k0 + cols < n_in)[None, :], other=0.0).to(tl.float32)
-                ss += tl.sum(xt * xt, 1)
-            rstd = tl.rsqrt(ss / n_in + eps)
-        acc = tl.zeros([BM, BN, BK], dtype=tl.float32)
-        acc_up = tl.zeros([BM, BN, BK], dtype=tl.float32)
-        for k0 in range(0, n_in, BK):
-            mk = k0 + cols < n_in
-            xt = tl.load(p_x + k0, mask=mr[:, None] & mk[None, :], other=0.0)
-            if NORM:
-                g = tl.load(norm_w + k0 + cols, mask=mk, other=0.0).to(tl.float32)
-                xt = (xt.to(tl.float32) * rstd[:, None] * g[None, :]).to(x.dtype.element_ty)
-            xf = xt.to(tl.float32)[:, None, :]
-            wm = mo[:, None] & mk[None, :]
-            acc += xf * tl.load(p_w + k0, mask=wm, other=0.0, eviction_policy="evict_first").to(tl.float32)[None]
-            if GLU:
-                wu = tl.load(p_w + n_out * n_in + k0, mask=wm, other=0.0, eviction_policy="evict_first")
-                acc_up += xf * wu.to(tl.float32)[None]
-        out = tl.sum(acc, 2)
-        if GLU:
-            out_up = tl.sum(acc_up, 2)
-    if GLU:
-        gate = out.to(y.dtype.element_ty).to(tl.float32)
-        up = out_up.to(y.dtype.element_ty).to(tl.float32)
-        out = (gate * tl.sigmoid(gate)).to(y.dtype.element_ty).to(tl.float32) * up
-    m = mr[:, None] & mo[None, :]
-    if RES:
-        r = tl.load(res + rows[:, None] * n_out + outs[None, :], mask=m, other=0.0).to(tl.float32)
-        out = out.to(y.dtype.element_ty).to(tl.float32) + r
-    tl.store(y + rows[:, None] * n_out + outs[None, :], out.to(y.dtype.element_ty), mask=m)
-
-
-FUSED_ONE_TILE = 1024  # rows up to this long are read as one tile
+FUSED_ONE_TILE = 1024  # the fused kernels read a row as one tile: rows up to this long
 # Outputs a program: about one per FUSED_SPREAD outputs (~3 programs an SM of the H200's 132), at
 # most 8, on one warp per 2048 products. `diagnostics/fused_linear.py` on the H200
 # (fused_linear_adcfc79.json: the demo drafter's five matmuls at 1 and 4 rows, 1-32 outputs a
@@ -209,12 +147,50 @@ FUSED_ONE_TILE = 1024  # rows up to this long are read as one tile
 FUSED_SPREAD = 384
 
 
+@triton.jit
+def _rms_normed(xf, g, n_in, eps, dtype: tl.constexpr):
+    """Rows xf [BM, BK] (fp32, zero past n_in) RMS-normalised, scaled by g [BK] and rounded to
+    dtype, as the norm module's output is, then back in fp32 for the products."""
+    rstd = tl.rsqrt(tl.sum(xf * xf, 1) / n_in + eps)
+    return (xf * rstd[:, None] * g[None, :]).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _fused_kernel(x, norm_w, weight, res, y, n_rows, n_out, n_in, eps, BM: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, RES: tl.constexpr):
+    outs = tl.program_id(0) * BN + tl.arange(0, BN)
+    rows = tl.arange(0, BM)
+    cols = tl.arange(0, BK)
+    mo, mr, mk = outs < n_out, rows < n_rows, cols < n_in
+    # the whole row is one tile: weights, rows and norm weight all requested at once (a norm pass
+    # before a K loop made the first version 4.8 µs a call against cuBLAS's 2.8 on the H200)
+    p_w = weight + outs[:, None].to(tl.int64) * n_in + cols[None, :]
+    wm = mo[:, None] & mk[None, :]
+    wt = tl.load(p_w, mask=wm, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    if GLU:  # up's row n is weight row n_out + n
+        wu = tl.load(p_w + n_out * n_in, mask=wm, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    xf = tl.load(x + rows[:, None] * n_in + cols[None, :], mask=mr[:, None] & mk[None, :], other=0.0).to(tl.float32)
+    if NORM:  # every program normalises the few rows itself: they come from L2
+        xf = _rms_normed(xf, tl.load(norm_w + cols, mask=mk, other=0.0).to(tl.float32), n_in, eps,
+                         x.dtype.element_ty)
+    out = tl.sum(xf[:, None, :] * wt[None], 2)
+    if GLU:
+        gate = out.to(y.dtype.element_ty).to(tl.float32)
+        up = tl.sum(xf[:, None, :] * wu[None], 2).to(y.dtype.element_ty).to(tl.float32)
+        out = (gate * tl.sigmoid(gate)).to(y.dtype.element_ty).to(tl.float32) * up
+    m = mr[:, None] & mo[None, :]
+    if RES:
+        r = tl.load(res + rows[:, None] * n_out + outs[None, :], mask=m, other=0.0).to(tl.float32)
+        out = out.to(y.dtype.element_ty).to(tl.float32) + r
+    tl.store(y + rows[:, None] * n_out + outs[None, :], out.to(y.dtype.element_ty), mask=m)
+
+
 def fused_tiling(M: int, N: int, K: int, glu: bool = False,
                  block_n: int | None = None) -> tuple[int, int, int, int]:
-    """(BM, BN, BK, warps) of `_fused_kernel` for M rows, N outputs, rows of K: the whole row
-    as one tile up to FUSED_ONE_TILE values; block_n outputs a program if given."""
+    """(BM, BN, BK, warps) of `_fused_kernel` for M rows, N outputs, rows of K (the whole row:
+    one tile); block_n outputs a program if given."""
     BM = triton.next_power_of_2(M)
-    BK = triton.next_power_of_2(K) if K <= FUSED_ONE_TILE else 256
+    BK = triton.next_power_of_2(K)
     BN = block_n or min(8, max(1, triton.next_power_of_2(N // FUSED_SPREAD + 1) // 2))
     return BM, BN, BK, min(4, max(1, BM * BN * BK // 2048))
 
@@ -231,8 +207,9 @@ def fused(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | Non
             raise ValueError(f"a GLU weight stacks gate and up: an even row count, got {N}")
         N //= 2
     M = x.numel() // K if x.shape[-1] == K else -1
-    if not 1 <= M <= FUSED_MAX_ROWS:
-        raise ValueError(f"fused takes 1-{FUSED_MAX_ROWS} rows of {K} values, got x {tuple(x.shape)}")
+    if not 1 <= M <= FUSED_MAX_ROWS or K > FUSED_ONE_TILE:
+        raise ValueError(f"fused takes 1-{FUSED_MAX_ROWS} rows of at most {FUSED_ONE_TILE} values, got x "
+                         f"{tuple(x.shape)}, weight {tuple(weight.shape)}")
     if residual is not None and residual.shape != (*x.shape[:-1], N):
         raise ValueError(f"the residual must be {(*x.shape[:-1], N)}, got {tuple(residual.shape)}")
     y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
@@ -261,10 +238,8 @@ def _draft_inputs_kernel(emb_table, tokens, h, src, norm_emb, norm_feat, weight,
     m = mr[:, None] & md[None, :]
     e = tl.load(emb_table + tok[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)
     f = tl.load(h + hrow[:, None].to(tl.int64) * D + d[None, :], mask=m, other=0.0).to(tl.float32)
-    ge = tl.load(norm_emb + d, mask=md, other=0.0).to(tl.float32)
-    gf = tl.load(norm_feat + d, mask=md, other=0.0).to(tl.float32)
-    e = (e * tl.rsqrt(tl.sum(e * e, 1) / D + eps)[:, None] * ge[None, :]).to(y.dtype.element_ty).to(tl.float32)
-    f = (f * tl.rsqrt(tl.sum(f * f, 1) / D + eps)[:, None] * gf[None, :]).to(y.dtype.element_ty).to(tl.float32)
+    e = _rms_normed(e, tl.load(norm_emb + d, mask=md, other=0.0).to(tl.float32), D, eps, y.dtype.element_ty)
+    f = _rms_normed(f, tl.load(norm_feat + d, mask=md, other=0.0).to(tl.float32), D, eps, y.dtype.element_ty)
     out = tl.sum(e[:, None, :] * w_emb[None] + f[:, None, :] * w_feat[None], 2)
     tl.store(y + rows[:, None] * n_out + outs[None, :], out.to(y.dtype.element_ty), mask=mr[:, None] & mo[None, :])
 
