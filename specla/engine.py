@@ -31,25 +31,34 @@ from specla.state import Cache, GDNLayerState, store_pending
 
 # GraphTarget's prefill: a prompt shorter than SEQUENCE_FROM tokens goes as chains of
 # PREFILL_WIDTH tokens, each verified and committed in one graph replay; a longer one as plain
-# sequences of ops.CHUNK_MIN_TOKENS tokens (fla's chunk kernel), the last padded, one replay each.
+# sequences through the fused regions and fla's chunk kernel, each padded to the smallest of
+# SEQUENCE_WIDTHS that holds it (the longest one repeated for longer prompts), one replay each.
 # 2026-12-02 H200 e2e, demo pair: the plain path cost ~8 ms a prompt below 512 tokens and a
 # median ~25 ms from 512 on, nearly all host time (a compiled region call per layer and phase);
 # a chain replay costs 0.63 ms a 32-token chunk. 32 keeps the verify's conv and factors in one
 # kernel (ops' TREE_PRELUDE_MAX_NODES).
 PREFILL_WIDTH = 32
-# `specla bench prefill` on the H200 (prefill.json, bebcf18): one padded 512-token sequence
-# costs 2.6 ms whatever its real length, 32-token chains 0.65 ms each, so sequences win from
-# 128 tokens on (2.59 vs 2.59 ms at 128, 2.60 vs 5.10 at 256, 2.61 vs 10.26 at 511).
+# `specla bench prefill` on the H200 (prefill.json, bebcf18): a padded 512-token sequence on the
+# plain modules (~50 kernels a layer) cost 2.6 ms whatever its real length, so sequences won from
+# 128 tokens on; they now run the fused regions (a few kernels a layer) at four widths.
 SEQUENCE_FROM = 128
+SEQUENCE_WIDTHS = (64, 128, 256, 512)
 # `SPECLA_PREFILL=plain`: every prefill takes the plain forward (the A/B switch for benchmarks)
 PREFILL = os.environ.get("SPECLA_PREFILL", "graph")
 if PREFILL not in ("graph", "plain"):
     raise ValueError(f"SPECLA_PREFILL={PREFILL!r}: expected graph or plain")
 
 
-def _chunk_width(mode: str) -> int:
-    """Tokens a graph-replayed prefill chunk holds: a chain's, or a plain sequence's."""
-    return PREFILL_WIDTH if mode == "chain" else ops.CHUNK_MIN_TOKENS
+def prefill_chunks(T: int, mode: str) -> list[tuple[int, int]]:
+    """(start, width) of each graph-replayed chunk of a T-token prompt: chains of PREFILL_WIDTH,
+    or sequences of the longest SEQUENCE_WIDTHS with the rest in the smallest that holds it."""
+    if mode == "chain":
+        return [(s, PREFILL_WIDTH) for s in range(0, T, PREFILL_WIDTH)]
+    top = max(SEQUENCE_WIDTHS)
+    chunks = [(s, top) for s in range(0, T - T % top, top)]
+    if T % top:
+        chunks.append((T - T % top, min(w for w in SEQUENCE_WIDTHS if w >= T % top)))
+    return chunks
 
 
 @dataclass
@@ -265,24 +274,40 @@ class GraphTarget(EagerTarget):
         return self.graphs[key]
 
     def prefill(self, tokens, capture=(), mode: str | None = None):
-        """The prompt in fixed-width chunks, one graph replay each (see PREFILL_WIDTH): below
-        SEQUENCE_FROM tokens padded chains verified and committed, from there plain sequences of
-        ops.CHUNK_MIN_TOKENS tokens; `valid` stops the recurrence, the conv and the commit at a
-        chunk's real length. `SPECLA_PREFILL=plain` takes the plain forward, as does a prompt
-        whose chunks cannot be captured (`_capturable`). mode: force "chain", "sequence" or "plain"
-        (`prefill_mode`; `bench prefill` times each)."""
+        """The prompt in fixed-width chunks, one graph replay each (`prefill_chunks`): below
+        SEQUENCE_FROM tokens padded chains verified and committed, from there plain sequences;
+        `valid` stops the recurrence, the conv and the commit at a chunk's real length.
+        `SPECLA_PREFILL=plain` takes the plain forward, as does a prompt whose chunks cannot be
+        captured (`_capturable`). mode: force "chain", "sequence" or "plain" (`prefill_mode`;
+        `bench prefill` times each)."""
         B, T = tokens.shape
         mode = self.prefill_mode(T, mode)
         if mode == "plain":
             return super().prefill(tokens, capture)
-        W, dev = _chunk_width(mode), self.model.device
+        logits, hidden = [], {i: [] for i in capture}
+        for s, W in prefill_chunks(T, mode):
+            n = min(W, T - s)
+            graph, tok, valid, (lg, hid) = self._prefill_graph(mode, W, B, tuple(capture))
+            tok[:, :n].copy_(tokens[:, s:s + n])
+            valid.fill_(n)
+            graph.replay()
+            logits.append(lg[:, :n].clone())
+            for i in capture:
+                hidden[i].append(hid[i][:, :n].clone())
+        if len(logits) == 1:  # most prompts: no concatenation (a launch each)
+            return ModelOutput(logits[0], {i: h[0] for i, h in hidden.items()})
+        return ModelOutput(torch.cat(logits, 1), {i: torch.cat(h, 1) for i, h in hidden.items()})
+
+    def _prefill_graph(self, mode: str, W: int, B: int, capture: tuple):
+        """(graph, its token and valid buffers, its outputs) of a W-wide prefill chunk."""
+        dev = self.model.device
         if (mode, W) not in self._prefill_buffers:
             chain = [torch.arange(-1, W - 1, device=dev).expand(B, -1).contiguous(),  # parents
                      torch.arange(W, device=dev).expand(B, -1).contiguous()] if mode == "chain" else []  # path
             self._prefill_buffers[mode, W] = (torch.zeros(B, W, dtype=torch.long, device=dev),
                                               torch.zeros(B, dtype=torch.long, device=dev), *chain)
         tok, valid, *chain = self._prefill_buffers[mode, W]
-        key = ("prefill", W, tuple(capture))
+        key = ("prefill", mode, W, capture)
 
         def run():
             if mode == "sequence":
@@ -293,19 +318,8 @@ class GraphTarget(EagerTarget):
                 self.cache.commit(out.records, path, valid, False)
             return out.logits, out.hidden
 
-        logits, hidden = [], {i: [] for i in capture}
-        for s in range(0, T, W):
-            n = min(W, T - s)
-            tok[:, :n].copy_(tokens[:, s:s + n])
-            valid.fill_(n)
-            graph, (lg, hid) = self.graphs.get(key) or self._capture(key, run)
-            graph.replay()
-            logits.append(lg[:, :n].clone())
-            for i in capture:
-                hidden[i].append(hid[i][:, :n].clone())
-        if len(logits) == 1:  # most prompts: no concatenation (a launch each)
-            return ModelOutput(logits[0], {i: h[0] for i, h in hidden.items()})
-        return ModelOutput(torch.cat(logits, 1), {i: torch.cat(h, 1) for i, h in hidden.items()})
+        graph, out = self.graphs.get(key) or self._capture(key, run)
+        return graph, tok, valid, out
 
     def prefill_mode(self, T: int, mode: str | None = None) -> str:
         """How `prefill` consumes T tokens: "chain" below SEQUENCE_FROM tokens, "sequence" from
@@ -328,11 +342,12 @@ class GraphTarget(EagerTarget):
         before the first replay)."""
         from specla.moe import SparseMoE
 
-        W = _chunk_width(mode)
-        if any(isinstance(blk.mlp, SparseMoE) and not blk.mlp.gathers(W) for blk in self.model.layers):
+        chunks = prefill_chunks(T, mode)
+        if any(isinstance(blk.mlp, SparseMoE) and not blk.mlp.gathers(W)
+               for blk in self.model.layers for W in {w for _, w in chunks}):
             return False
         sizes = [st.k.shape[2] for st in self.cache.layers if not isinstance(st, GDNLayerState)]
-        return not sizes or int(self.cache.length.max()) + -(-T // W) * W <= min(sizes)
+        return not sizes or int(self.cache.length.max()) + chunks[-1][0] + chunks[-1][1] <= min(sizes)
 
     def step(self, root):
         self.root.copy_(root)

@@ -225,16 +225,21 @@ def _linear(x, w, gemv: str):
 def _make_seq_pre(eps, zc, sizes, conv, use_gate, factor_consts, gemv="cublas"):
     factors = _make_factors(*factor_consts)
 
-    def seq_pre(x, r, norm_w, in_w, conv_state, conv_w, conv_b, A_log, dt_bias):
-        """Residual add, norm, projection, short conv (conv state advanced in place), factors."""
+    def seq_pre(x, r, norm_w, in_w, conv_state, conv_w, conv_b, A_log, dt_bias, valid=None):
+        """Residual add, norm, projection, short conv (conv state advanced in place), factors.
+        valid [B] (a graph prefill's padded chunk): the conv state stops at the valid[b]-th
+        token and a padding token neither decays nor writes the state (g = β = 0)."""
         if r is not None:
             x = x + r
         xp, z, a, b = torch.split(_linear(_rms(x, norm_w, eps, zc), in_w, gemv), sizes, dim=-1)
         if conv:
-            xc = conv_ref.conv_taps(xp, conv_state, conv_w, conv_b)  # multiply-adds: it fuses
+            xc = conv_ref.conv_taps(xp, conv_state, conv_w, conv_b, valid)  # multiply-adds: it fuses
         else:
             xc = F.silu(xp)
         q, k, v, g, beta = factors(xc, a, b, A_log, dt_bias)
+        if valid is not None:
+            real = (torch.arange(x.shape[1], device=x.device)[None] < valid[:, None])[..., None]
+            g, beta = g * real, beta * real
         return x, q, k, v, g, beta, (z if use_gate else None)
     return seq_pre
 
@@ -463,7 +468,7 @@ class FusedModel:
                 continue
             mix = lay.mix
             cw, cb = lay.conv_args()
-            if parents is None and st.conv is not None and tokens.shape[1] == 1:
+            if parents is None and st.conv is not None and tokens.shape[1] == 1 and valid is None:
                 # an AR step: the conv and the factors are one kernel (Inductor made seven of them)
                 x, xp, z, a, b = lay.tree_in(x, r, blk.attn_norm.weight, mix.in_proj.weight)
                 q, k, v, g, beta = ops.step_prelude(xp, st.conv, cw, cb, a, b, mix.A_log, mix.dt_bias, mix.H,
@@ -471,7 +476,7 @@ class FusedModel:
             elif parents is None:
                 mark(x, r)
                 x, q, k, v, g, beta, z = lay.seq_pre(x, r, blk.attn_norm.weight, mix.in_proj.weight, st.conv,
-                                                     cw, cb, mix.A_log, mix.dt_bias)
+                                                     cw, cb, mix.A_log, mix.dt_bias, valid)
             elif st.conv is not None:
                 mark(x, r)
                 x, xp, z, a, b = lay.tree_in(x, r, blk.attn_norm.weight, mix.in_proj.weight)
@@ -490,7 +495,7 @@ class FusedModel:
             if want is not None:
                 hidden[want] = x
             if parents is None:
-                o = ops.gdn_sequence(q, k, v, g, beta, st.S, mix.scale)
+                o = ops.gdn_sequence(q, k, v, g, beta, st.S, mix.scale, chunked=valid is not None)
             else:
                 o, u = ops.gdn_tree_verify(q, k, v, g, beta, st.S, parents, mix.scale, st.pending, chain, valid)
                 if st.pending is not None and i not in banked:  # folded into S by the verify
@@ -507,14 +512,14 @@ class FusedModel:
         if bank is not None:
             bank.length.zero_()  # every banked layer's pending update was folded above
         if parents is None:
-            cache.length.add_(tokens.shape[1])
+            cache.length.add_(tokens.shape[1] if valid is None else valid)
         out = ModelOutput(logits, hidden)
         if parents is not None:
             out.records = records
         return out
 
-    def forward(self, tokens, cache, capture=()):
-        return self.run(tokens, cache, capture)
+    def forward(self, tokens, cache, capture=(), valid=None):
+        return self.run(tokens, cache, capture, valid=valid)
 
     def verify(self, tokens, parents, cache, capture=(), chain=False, valid=None):
         return self.run(tokens, cache, capture, parents, chain, valid)

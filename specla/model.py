@@ -120,7 +120,7 @@ class GatedDeltaNet(nn.Module):
         if valid is not None:  # a padding token neither decays (g = 0) nor writes (β = 0) the state
             real = (torch.arange(h.shape[1], device=h.device)[None] < valid[:, None])[..., None]
             g, beta = g * real, beta * real
-        o = ops.gdn_sequence(q, k, v, g, beta, st.S, self.scale)
+        o = ops.gdn_sequence(q, k, v, g, beta, st.S, self.scale, chunked=valid is not None)
         return self._output(o, z, h.dtype)
 
     def train_forward(self, h):
@@ -249,8 +249,8 @@ class Model(nn.Module):
         (a padded chunk of a graph-captured prefill, `GraphTarget.prefill`) by valid[b]: the
         padding leaves every state as it was and its outputs are not meaningful."""
         fused = getattr(self, "_fused", None)
-        if valid is None and fused is not None and fused.takes(tokens, verify=False):
-            return fused.forward(tokens, cache, capture)
+        if fused is not None and fused.takes(tokens, verify=False):
+            return fused.forward(tokens, cache, capture, valid)
         cache.flush()  # a plain sequence starts from the committed state (free when clean)
         x = self.embeddings(tokens)
         hidden = {}

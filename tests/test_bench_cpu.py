@@ -424,20 +424,20 @@ def test_bench_prefill_on_emulated_graphs(tmp_path, monkeypatch):
     import subprocess
     import sys
 
-    from specla import engine, ops
+    from specla import engine
     from specla.bench import prefill
 
     from graph_emulation import emulate_graphs
 
     emulate_graphs(monkeypatch)
-    monkeypatch.setattr(ops, "CHUNK_MIN_TOKENS", 8)
+    monkeypatch.setattr(engine, "SEQUENCE_WIDTHS", (4, 8))
     monkeypatch.setattr(engine, "PREFILL_WIDTH", 4)
     monkeypatch.setattr(engine, "SEQUENCE_FROM", 8)
     res = prefill.run(lengths=(3, 9, 20), reps=1, device="cpu", dtype="float32", out_dir=tmp_path)
     data = json.loads((tmp_path / "prefill.json").read_text())
     assert data["rows"] == res["rows"] and len(data["rows"]) == 9 and data["device"] and data["commit"]
     assert all(r["used"] == r["mode"] and r["ms"] > 0 for r in data["rows"])
-    assert data["switch_tokens"] == 8 and data["sequence_width"] == 8 and data["chain_width"] == 4
+    assert data["switch_tokens"] == 8 and data["sequence_widths"] == [4, 8] and data["chain_width"] == 4
     assert (tmp_path / "prefill.png").stat().st_size > 0
     r = subprocess.run([sys.executable, "-m", "specla.cli", "bench", "prefill", "--device", "cpu"],
                        capture_output=True, text=True, timeout=120)

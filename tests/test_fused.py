@@ -27,13 +27,15 @@ from specla.shapes import shape_config
 from conftest import random_model, tiny_config
 
 
-def _run(model, prompt, root, tokens, parents, capture):
+def _run(model, prompt, root, tokens, parents, capture, chunk):
     cache = model.new_cache(1, 128)
     model.forward(prompt, cache)
+    # a graph prefill's padded chunk: 3 real tokens, the rest padding the states must ignore
+    pad = model.forward(chunk, cache, capture, valid=torch.tensor([3]))
     step = model.forward(root, cache, capture)
     ver = model.verify(tokens, parents, cache, capture)
     cache.flush()
-    return step, ver, cache
+    return step, ver, cache, pad
 
 
 def _err(x, y) -> float:
@@ -50,13 +52,15 @@ def _compare(model, fused_kw, seed=0, tol=1e-10, capture=(0,)):
     root = torch.randint(0, V, (1, 1), generator=g)
     tokens = torch.randint(0, V, (1, 6), generator=g)
     parents = torch.tensor([[-1, 0, 1, 0, 3, 1]])
+    chunk = torch.randint(0, V, (1, 5), generator=g)
     model.fuse(False)
-    a = _run(model, prompt, root, tokens, parents, capture)
+    a = _run(model, prompt, root, tokens, parents, capture, chunk)
     model.fuse(**fused_kw)
-    b = _run(model, prompt, root, tokens, parents, capture)
+    b = _run(model, prompt, root, tokens, parents, capture, chunk)
     model.fuse(False)
     diff = {}
-    for name, (x, y) in {"step": (a[0].logits, b[0].logits), "verify": (a[1].logits, b[1].logits)}.items():
+    for name, (x, y) in {"step": (a[0].logits, b[0].logits), "verify": (a[1].logits, b[1].logits),
+                         "padded": (a[3].logits[:, :3], b[3].logits[:, :3])}.items():
         diff[name] = _err(x, y)
     for i in capture:
         diff[f"hidden{i}"] = _err(a[1].hidden[i], b[1].hidden[i])

@@ -103,7 +103,7 @@ def test_graph_prefill_equals_the_plain_forward(graph_path, monkeypatch):
     for budget, delayed in ((1, False), (9, True)):
         target = GraphTarget(model, 1, 64, budget, delayed)
         out = target.prefill(prompt, capture=(0,))
-        assert ("prefill", 4, (0,)) in target.graphs
+        assert ("prefill", "chain", 4, (0,)) in target.graphs
         torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out.hidden[0], ref.hidden[0], rtol=1e-5, atol=1e-5)
         assert torch.equal(target.cache.length, ref_cache.length)
@@ -129,9 +129,10 @@ def test_prefill_mode_switches_at_the_measured_crossover(monkeypatch):
     assert [target.prefill_mode(T) for T in (1, S - 1, S, 4096)] == ["chain", "chain", "sequence", "sequence"]
     over = dict(layer_types=[GDN, ATTENTION], attn_num_heads=2, attn_num_kv_heads=1, attn_head_dim=8)
     hybrid = random_model(tiny_config(6, num_hidden_layers=2, **over), 6)
-    room = ops.CHUNK_MIN_TOKENS + engine.PREFILL_WIDTH
-    assert GraphTarget(hybrid, 1, room, 1, False).prefill_mode(S) == "sequence"
-    assert GraphTarget(hybrid, 1, room - engine.PREFILL_WIDTH - 1, 1, False).prefill_mode(S) == "chain"
+    wide = engine.prefill_chunks(S + 1, "sequence")[-1][1]  # S + 1 tokens padded to this width
+    assert wide > S + 1 and wide > -(-(S + 1) // engine.PREFILL_WIDTH) * engine.PREFILL_WIDTH
+    assert GraphTarget(hybrid, 1, wide, 1, False).prefill_mode(S + 1) == "sequence"
+    assert GraphTarget(hybrid, 1, wide - 1, 1, False).prefill_mode(S + 1) == "chain"
     assert GraphTarget(hybrid, 1, S + 1, 1, False).prefill_mode(S + 2) == "plain"
     assert target.prefill_mode(S, "chain") == "chain" and target.prefill_mode(1, "sequence") == "sequence"
     monkeypatch.setattr(engine, "PREFILL", "plain")
@@ -141,15 +142,15 @@ def test_prefill_mode_switches_at_the_measured_crossover(monkeypatch):
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_long_prompt_graph_prefill_equals_the_plain_forward(monkeypatch, hybrid):
     """From engine.SEQUENCE_FROM tokens on, `GraphTarget.prefill` replays plain sequences of
-    ops.CHUNK_MIN_TOKENS tokens, the last one padded and masked by `valid` (4 + 4 + 2 tokens
-    here, after a first prompt so the chunks start mid-cache): logits, features, GDN and conv
+    engine.SEQUENCE_WIDTHS tokens, the last one padded and masked by `valid` (4 + 4 + 2 tokens,
+    the last in a 2-token chunk, here, after a first prompt so the chunks start mid-cache): logits, features, GDN and conv
     states, K/V and the length equal the plain forward's. A prompt whose padding would overrun
     the K/V caches goes as chains instead, or plain where chains would overrun them too."""
     from specla import engine
     from specla.config import ATTENTION, GDN
 
     emulate_graphs(monkeypatch)
-    monkeypatch.setattr(ops, "CHUNK_MIN_TOKENS", 4)
+    monkeypatch.setattr(engine, "SEQUENCE_WIDTHS", (2, 4))
     monkeypatch.setattr(engine, "SEQUENCE_FROM", 4)
     over = dict(layer_types=[GDN, ATTENTION], attn_num_heads=2, attn_num_kv_heads=1, attn_head_dim=8) if hybrid else {}
     cfg = tiny_config(5, num_hidden_layers=2, use_short_conv=True, **over)
@@ -163,7 +164,7 @@ def test_long_prompt_graph_prefill_equals_the_plain_forward(monkeypatch, hybrid)
         target = GraphTarget(model, 1, 64, budget, delayed)
         target.prefill(first)
         out = target.prefill(prompt, capture=(0,))
-        assert ("prefill", 4, (0,)) in target.graphs
+        assert {k for k in target.graphs if k[0] == "prefill"} >= {("prefill", "sequence", w, (0,)) for w in (2, 4)}
         torch.testing.assert_close(out.logits, ref.logits, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(out.hidden[0], ref.hidden[0], rtol=1e-10, atol=1e-10)
         assert torch.equal(target.cache.length, ref_cache.length)
@@ -178,14 +179,16 @@ def test_long_prompt_graph_prefill_equals_the_plain_forward(monkeypatch, hybrid)
     if hybrid:  # 9 + 12 padded positions overrun a 20-slot cache: chains, as the plain forward
         with monkeypatch.context() as m:  # 2-token chains fit where 4-token sequences do not
             m.setattr(engine, "PREFILL_WIDTH", 2)
+            m.setattr(engine, "SEQUENCE_WIDTHS", (4,))
             target = GraphTarget(model, 1, 20, 1, False)
             target.prefill(torch.tensor([_prompt(cfg.vocab_size, 3, length=6)]))
             ref_cache = model.new_cache(1, max_len=20)
             model.forward(torch.tensor([_prompt(cfg.vocab_size, 3, length=6)]), ref_cache)
             assert target.prefill_mode(prompt.shape[1]) == "chain"
             out = target.prefill(prompt, capture=(0,))
-            assert ("prefill", 4, ()) in target.graphs and ("prefill", 4, (0,)) not in target.graphs
-            assert ("prefill", engine.PREFILL_WIDTH, (0,)) in target.graphs
+            assert ("prefill", "sequence", 4, ()) in target.graphs
+            assert ("prefill", "sequence", 4, (0,)) not in target.graphs
+            assert ("prefill", "chain", engine.PREFILL_WIDTH, (0,)) in target.graphs
             torch.testing.assert_close(out.logits, model.forward(prompt, ref_cache).logits, rtol=1e-10, atol=1e-10)
             assert int(target.cache.length) == 19
             target = GraphTarget(model, 1, 20, 1, False)  # 9 + 11 tokens in 2-token chunks need 21 slots: plain

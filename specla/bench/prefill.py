@@ -5,8 +5,8 @@ graph replay each, in one of two ways, or eagerly:
 
 - `chain`: 32-token chains (`engine.PREFILL_WIDTH`), each verified and committed (a round's
   arithmetic);
-- `sequence`: plain sequences of `ops.CHUNK_MIN_TOKENS` (512) tokens on fla's chunk kernel, the
-  last one padded and masked;
+- `sequence`: plain sequences through the fused regions and fla's chunk kernel, each padded to
+  the smallest of `engine.SEQUENCE_WIDTHS` that holds it (`engine.prefill_chunks`) and masked;
 - `plain`: the model's plain forward (compiled regions under `--compile` / SPECLA_COMPILE).
 
 `GraphTarget` takes `chain` below `engine.SEQUENCE_FROM` tokens and `sequence` from there. This times
@@ -55,12 +55,11 @@ def run(model_dir=None, lengths=LENGTHS, modes=MODES, reps: int = 5, device: str
     from tqdm import tqdm
 
     import specla.api as api
-    from specla import ops
-    from specla.engine import PREFILL_WIDTH, SEQUENCE_FROM, GraphTarget
+    from specla.engine import PREFILL_WIDTH, SEQUENCE_FROM, SEQUENCE_WIDTHS, GraphTarget
 
     lm = api.load(model_dir, device=device, dtype=dtype, compile=compile)
     model, dev = lm.model, lm.model.device
-    W = ops.CHUNK_MIN_TOKENS
+    W = max(SEQUENCE_WIDTHS)
     max_len = -(-(max(lengths) + W) // 1024) * 1024  # room for the last sequence chunk's padding
     target = GraphTarget(model, 1, max_len, 1, False)
     gen = torch.Generator().manual_seed(0)
@@ -82,7 +81,7 @@ def run(model_dir=None, lengths=LENGTHS, modes=MODES, reps: int = 5, device: str
                          "ms_min": min(times), "us_per_token": 1e3 * ms / T})
     result = {"model": str(lm.model_dir), "dtype": str(model.dtype).replace("torch.", ""), "compile": compile,
               "fused": getattr(getattr(model, "_fused", None), "mode", None), "reps": reps,
-              "chain_width": PREFILL_WIDTH, "sequence_width": W,
+              "chain_width": PREFILL_WIDTH, "sequence_widths": list(SEQUENCE_WIDTHS),
               "switch_tokens": SEQUENCE_FROM, "crossover_tokens": crossover(rows), "rows": rows}
     out = Path(out_dir)
     result = json.loads(write_results(name, result, out).read_text())  # with device, versions, commit, date

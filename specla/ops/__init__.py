@@ -129,9 +129,11 @@ def _gdn_triton(state: torch.Tensor) -> bool:
 # From this many tokens on, a plain sequence goes to fla's chunk (prefill) kernel. Its GPU cost
 # is small (~26 us per layer in graph replay, DESIGN §6); called eagerly it spends ~1 ms of host
 # time per layer in fla's wrappers and autotuner lookups (H200 profile, 2026-12-01), where the
-# serial kernel is one launch at ~1 us per token. `GraphTarget.prefill` replays chunks of this
-# width from a graph.
+# serial kernel is one launch at ~1 us per token. A graph-replayed prefill chunk
+# (`GraphTarget.prefill`, `chunked=True`) pays no host time: it takes the chunk kernel from
+# CHUNK_TOKENS (fla's chunk) on.
 CHUNK_MIN_TOKENS = 512
+CHUNK_TOKENS = 64
 
 
 def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, chain=False, valid=None):
@@ -211,12 +213,13 @@ def _fla_chunk():
     return chunk_gated_delta_rule
 
 
-def gdn_sequence(q, k, v, g, beta, state, scale):
+def gdn_sequence(q, k, v, g, beta, state, scale, chunked: bool = False):
     """Consume a plain sequence: short ones (decode, chains) on the serial kernel, long ones
-    (prefill) on fla's chunk kernel; without fla everything runs on the serial kernel."""
+    (prefill; from CHUNK_TOKENS when `chunked`: a graph-replayed chunk) on fla's chunk kernel;
+    without fla everything runs on the serial kernel."""
     if not _gdn_triton(state):
         return gdn_ref.gdn_recurrent(q, k, v, g, beta, state, scale)
-    chunk = _fla_chunk() if v.shape[1] >= CHUNK_MIN_TOKENS else None
+    chunk = _fla_chunk() if v.shape[1] >= (CHUNK_TOKENS if chunked else CHUNK_MIN_TOKENS) else None
     if chunk is None:
         from specla.ops.gdn import serial
 

@@ -302,6 +302,27 @@ def test_gdn_sequence_long_on_fla_chunk(fla_chunk_cpu, monkeypatch):
     assert (o - ro).abs().max() < 1e-4 and (S_out - S_ref).abs().max() < 1e-4
 
 
+def test_graph_prefill_chunk_takes_fla_from_chunk_tokens(monkeypatch):
+    """A graph-replayed prefill chunk (`chunked=True`) goes to fla's chunk kernel from
+    ops.CHUNK_TOKENS tokens, where an eager sequence waits for CHUNK_MIN_TOKENS (host time)."""
+    calls = []
+
+    def spy(q, k, v, g, beta, scale, initial_state, **kw):
+        calls.append(v.shape[1])
+        return torch.zeros_like(v), initial_state
+
+    monkeypatch.setattr(ops, "_fla_chunk", lambda: spy)
+    T = ops.CHUNK_TOKENS
+    assert T < ops.CHUNK_MIN_TOKENS
+    q, k, v, g, beta, S = inputs(1, T, 1, 2, 16, 16, 8)
+    with ops.backend("triton"):
+        ops.gdn_sequence(q, k, v, g, beta, S.clone(), 0.25, chunked=True)
+        assert calls == [T]
+        ops.gdn_sequence(q[:, :T - 1], k[:, :T - 1], v[:, :T - 1], g[:, :T - 1], beta[:, :T - 1], S.clone(), 0.25,
+                         chunked=True)
+        assert calls == [T]  # shorter: the serial kernel
+
+
 def test_fla_chunk_ignores_masked_padding(fla_chunk_cpu, monkeypatch):
     """A graph prefill's last chunk (`GatedDeltaNet.forward` with `valid`): padding tokens with
     g = 0 and β = 0 leave fla's chunk kernel with the state of the real tokens alone, and the

@@ -62,11 +62,12 @@ def conv_sequence(x, conv_state, weight, bias, valid=None):
 
 
 
-def conv_taps(x, conv_state, weight, bias):
+def conv_taps(x, conv_state, weight, bias, valid=None):
     """`conv_sequence` written as W multiply-adds (so a compiler fuses it), accumulated in fp32
     (fp64 for fp64 inputs) in tap order like cuDNN's conv and rounded once to x's dtype, then
-    SiLU; the conv state advanced in place. The fused path's sequence region (prefill)
-    computes the conv this way; decode steps take `step_prelude`, a verify's arithmetic."""
+    SiLU; the conv state advanced in place (to the valid[b]-th input, as `conv_sequence`). The
+    fused path's sequence region (prefill) computes the conv this way; decode steps take
+    `step_prelude`, a verify's arithmetic."""
     T, W = x.shape[1], weight.shape[1]
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     hist = torch.cat([conv_state.transpose(1, 2).to(x.dtype), x], dim=1)  # [B, W-1+T, C], oldest first
@@ -75,7 +76,12 @@ def conv_taps(x, conv_state, weight, bias):
         y = y + hist[:, j:j + T].to(acc) * weight[:, j].to(acc)
     if bias is not None:
         y = y + bias.to(acc)
-    conv_state.copy_(hist[:, T:].transpose(1, 2).to(conv_state.dtype))
+    if valid is None:
+        tail = hist[:, T:]
+    else:
+        idx = valid[:, None] + torch.arange(W - 1, device=x.device)[None]
+        tail = hist.gather(1, idx[..., None].expand(-1, -1, hist.shape[2]))
+    conv_state.copy_(tail.transpose(1, 2).to(conv_state.dtype))
     return F.silu(y.to(x.dtype))
 
 
