@@ -38,10 +38,12 @@ from specla.state import Cache, GDNLayerState, store_pending
 # a chain replay costs 0.63 ms a 32-token chunk. 32 keeps the verify's conv and factors in one
 # kernel (ops' TREE_PRELUDE_MAX_NODES).
 PREFILL_WIDTH = 32
-# `specla bench prefill` on the H200 (prefill.json, bebcf18): a padded 512-token sequence on the
-# plain modules (~50 kernels a layer) cost 2.6 ms whatever its real length, so sequences won from
-# 128 tokens on; they now run the fused regions (a few kernels a layer) at four widths.
-SEQUENCE_FROM = 128
+# `specla bench prefill` on the H200 (prefill_ef49ee7.json): sequences through the fused regions
+# cost 0.96-1.0 ms at 64 tokens, 1.04 at 128, 1.19 at 256, 1.35 at 512; chains 0.58 ms at 16
+# tokens, 0.84 at 32 and 1.39 at 48 (two chunks). So chains take one chunk's worth, sequences
+# the rest. (On the plain modules, ~50 kernels a layer, a padded 512-token sequence cost 2.6 ms
+# whatever its length: prefill.json, bebcf18.)
+SEQUENCE_FROM = PREFILL_WIDTH + 1
 SEQUENCE_WIDTHS = (64, 128, 256, 512)
 # `SPECLA_PREFILL=plain`: every prefill takes the plain forward (the A/B switch for benchmarks)
 PREFILL = os.environ.get("SPECLA_PREFILL", "graph")

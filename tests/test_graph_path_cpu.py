@@ -129,10 +129,12 @@ def test_prefill_mode_switches_at_the_measured_crossover(monkeypatch):
     assert [target.prefill_mode(T) for T in (1, S - 1, S, 4096)] == ["chain", "chain", "sequence", "sequence"]
     over = dict(layer_types=[GDN, ATTENTION], attn_num_heads=2, attn_num_kv_heads=1, attn_head_dim=8)
     hybrid = random_model(tiny_config(6, num_hidden_layers=2, **over), 6)
-    wide = engine.prefill_chunks(S + 1, "sequence")[-1][1]  # S + 1 tokens padded to this width
-    assert wide > S + 1 and wide > -(-(S + 1) // engine.PREFILL_WIDTH) * engine.PREFILL_WIDTH
-    assert GraphTarget(hybrid, 1, wide, 1, False).prefill_mode(S + 1) == "sequence"
-    assert GraphTarget(hybrid, 1, wide - 1, 1, False).prefill_mode(S + 1) == "chain"
+    def padded(T, mode):
+        return sum(w for _, w in engine.prefill_chunks(T, mode))
+
+    T = next(t for t in range(S, 4096) if padded(t, "sequence") > padded(t, "chain"))  # a sequence pads more
+    assert GraphTarget(hybrid, 1, padded(T, "sequence"), 1, False).prefill_mode(T) == "sequence"
+    assert GraphTarget(hybrid, 1, padded(T, "sequence") - 1, 1, False).prefill_mode(T) == "chain"
     assert GraphTarget(hybrid, 1, S + 1, 1, False).prefill_mode(S + 2) == "plain"
     assert target.prefill_mode(S, "chain") == "chain" and target.prefill_mode(1, "sequence") == "sequence"
     monkeypatch.setattr(engine, "PREFILL", "plain")
