@@ -171,6 +171,8 @@ def bench_prefill(
                                           "(SPECLA_COMPILE=1 does the same)."),
     name: str = typer.Option("prefill", help="Result file stem."),
     out: Path = typer.Option(Path("benchmarks/results")),
+    profile: bool = typer.Option(False, "--profile", help="Also profile one prefill per length and mode "
+                                 "(kernels, GPU time, top kernels)."),
 ):
     """Time to consume a prompt by length and prefill mode (CUDA graph chunks or the plain forward; GPU)."""
     from specla.bench.prefill import MODES, run
@@ -187,7 +189,7 @@ def bench_prefill(
     if not sizes or min(sizes) < 1:
         raise InputError("--lengths must be positive")
     run(model, sizes, tuple(modes.split(",")), reps=reps, device=device, dtype=dtype, compile=compile,
-        out_dir=out, name=name)
+        out_dir=out, name=name, profile=profile)
 
 
 @bench_app.command("decode")
