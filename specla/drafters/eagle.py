@@ -152,14 +152,17 @@ class EagleDrafterModel(nn.Module):
                                     self.norm_emb.eps, self.fc.weight)
         return self.inputs(F.embedding(tokens, table), h.gather(1, src[..., None].expand(*src.shape, D)))
 
-    def qkv(self, x: torch.Tensor, pos: torch.Tensor):
-        """x [B, n, D] at positions pos [B, n] -> q, k (rotated), v, each [B, n, H, hd]."""
+    def qkv(self, x: torch.Tensor, pos: torch.Tensor | None):
+        """x [B, n, D] at positions pos [B, n] -> q, k (rotated), v, each [B, n, H, hd]; pos
+        None: q and k unrotated (a draft step's `ops.draft_attention` rotates them)."""
         B, n, _ = x.shape
         if ops.fuses_linear(x, self.qkv_proj.weight):
             qkv = ops.fused_linear(x, self.qkv_proj.weight, self.attn_norm.weight, self.attn_norm.eps)
         else:
             qkv = ops.linear(self.attn_norm(x), self.qkv_proj.weight)
         q, k, v = qkv.reshape(B, n, 3, self.cfg.num_heads, self.cfg.head_dim).unbind(2)
+        if pos is None:
+            return q, k, v
         f = self.inv_freq(x.device, x.dtype)
         return apply_rotary(q, pos, f), apply_rotary(k, pos, f), v
 
@@ -531,28 +534,27 @@ class EagleDrafter(Drafter):
         keys, values: the leading slots of the cache ([B, H, W, hd] views) that hold the
         committed entries and room for this rollout's. Entries (the drafter's queries for
         expanded nodes: the root at depth 0, then k beams per depth) go to the slots right
-        after the committed length, where the next `extend` overwrites them; the mask lets each
-        see the committed entries and its own path.
+        after the committed length, where the next `extend` overwrites them; each sees the
+        committed entries and its own path (`ops.draft_attention`, which also rotates the
+        depth's queries and keys and writes its entries).
         """
         m, tgt, w, E = self.model, self.target, self.width, self.entries
-        B, dev = root.shape[0], root.device
-        rel = torch.arange(keys.shape[2], device=dev)[None] - self.len[:, None]  # slot - first draft slot
-        committed = rel < 0
-        in_draft = (rel >= 0) & (rel < E)
-        entry_of_slot = rel.clamp(0, E - 1)
         h = self.pending[:, None]  # the feature each beam's parent hands on (the root's: the target's)
         rows = None  # the previous depth's entries' ancestor-or-self rows
+        inv_freq = m.inv_freq(h.device, h.dtype)
 
         def step(d, tokens, src):
             nonlocal h, rows
-            n = tokens.shape[1]
             start = 0 if d == 0 else 1 + (d - 1) * w
-            rows = tree.entry_ancestors(None if d == 0 else rows, src, start, E)
+            if w > 1:
+                rows = tree.entry_ancestors(None if d == 0 else rows, src, start, E)
             x = m.step_inputs(tgt.embeddings.weight, tokens, h, src)
-            q, kk, v = m.qkv(x, (self.len + d)[:, None].expand(B, n))
-            self._store(keys, values, self.len[:, None] + start + torch.arange(n, device=dev), kk, v)
-            sees = rows.gather(2, entry_of_slot[:, None, :].expand(B, n, -1))
-            h = m.finish(x, m.attend(q, keys, values, committed[:, None] | (in_draft[:, None] & sees)), self._gate_up)
+            q, kk, v = m.qkv(x, None)
+            # the root, and a depth's single beam (w = 1), have every earlier entry on their path:
+            # no rows for the op to read (in a compiled rollout, no kernel to build them)
+            path = rows if w > 1 and d > 0 else None
+            attn = ops.draft_attention(q, kk, v, keys, values, self.len, d, start, path, inv_freq, m.scale)
+            h = m.finish(x, attn, self._gate_up)
             return m.logits(h, tgt.lm_head.weight)  # the expand normalises the k tokens it keeps
 
         return tree.beam_search(step, root, self.topk, self.depth, tau, scored, w, 1 / self.temperature)

@@ -477,6 +477,27 @@ def _masked_attention_shape(q, keys, values, mask, scale):
     return q.new_empty(*q.shape[:2], q.shape[2] * q.shape[3])
 
 
+@torch.library.custom_op("specla::draft_attention", mutates_args=("keys", "values"))
+def draft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    length: torch.Tensor, depth: int, start: int, rows: Optional[torch.Tensor],
+                    inv_freq: torch.Tensor, scale: float) -> torch.Tensor:
+    """A draft step's RoPE, cache writes, mask and attention (`ops.attention.naive.draft_attention`):
+    the masked attention's one or two Triton launches where Triton runs, which left two Inductor
+    kernels a step behind (RoPE + store, the mask), the reference elsewhere and for float64.
+    Writes keys and values in place: they are graph inputs (views of the drafter's cache) of
+    the compiled rollout, which updates them where they are, without a copy."""
+    if not use_triton(q) or q.dtype == torch.float64:
+        return attention_ref.draft_attention(q, k, v, keys, values, length, depth, start, rows, inv_freq, scale)
+    from specla.ops.attention import triton as attention_triton
+
+    return attention_triton.draft_attention(q, k, v, keys, values, length, depth, start, rows, inv_freq, scale)
+
+
+@draft_attention.register_fake
+def _draft_attention_shape(q, k, v, keys, values, length, depth, start, rows, inv_freq, scale):
+    return q.new_empty(*q.shape[:2], q.shape[2] * q.shape[3])
+
+
 @torch.library.custom_op("specla::beam_expand", mutates_args=())
 def beam_expand(logits: torch.Tensor, beam_scores: torch.Tensor, topk: int,
                 scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

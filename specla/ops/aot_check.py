@@ -32,7 +32,8 @@ SCALARS = {"scale": "fp32", "n": "i32", "P": "i32", "C": "i32", "n_tiles": "i32"
 
 
 def variants(H=8, HV=8, K=256, V=256):
-    """(name, kernel, constexprs, num_warps) for every variant the dispatch and benchmarks use."""
+    """(name, kernel, constexprs, num_warps[, extra]) for every variant the dispatch and benchmarks
+    use; extra: {"types": argument types overriding `_gdn_type`'s, "options": compile options}."""
     from specla.ops.accept import triton as accept
     from specla.ops.attention import triton as attention
     from specla.ops.beam import triton as beam
@@ -88,6 +89,19 @@ def variants(H=8, HV=8, K=256, V=256):
             yield (f"masked_attention D={D}{'' if final else ' (split)'}", attention._partial_kernel,
                    dict(H=16, D=D, BD=D, SPLIT=BW, BW=BW, FINAL=final), attention.block_warps(BW))
     yield "masked_attention combine", attention._combine_kernel, dict(H=16, D=128, BD=128, NSP=16), 4
+    # the draft step's whole attention (RoPE, cache writes, the mask from the entries' rows) at
+    # the demo drafter's heads (4 x 64) and the 1.3B stand-in's (16 x 128), bf16 and fp32 caches
+    for dt in ("bf16", "fp32"):
+        types = {**{a: f"*{dt}" for a in ("q", "k", "v", "keys", "values", "o")},
+                 "rows": "*u8", "depth": "i32", "start": "i32"}
+        for H, D in ((4, 64), (16, 128)):
+            BW = attention.block_slots(D)
+            for final in (True, False):
+                for chain in (True, False):
+                    yield (f"draft_attention {dt} D={D}{' chain' if chain else ' tree'}{'' if final else ' (split)'}",
+                           attention._draft_kernel, dict(H=H, D=D, BD=D, R=D // 2, SPLIT=BW, BW=BW, FINAL=final,
+                                                         CHAIN=chain), attention.block_warps(BW),
+                           dict(types=types, options=dict(enable_fp_fusion=False)))
     for BN, BK, warps in linear.TILINGS:
         yield f"gemv BN={BN} BK={BK} w={warps}", linear._gemv_kernel, dict(BN=BN, BK=BK), warps
     # a draft step's fused matmuls at the demo drafter's shapes (1 row: chains, 4: tree beams)
@@ -109,9 +123,10 @@ def _gdn_type(arg: str) -> str:
     return "i32" if arg.startswith("s_") else SCALARS.get(arg, POINTERS.get(arg, "*fp32"))
 
 
-def compile_variant(kernel, consts, num_warps, arch=90, type_of=_gdn_type):
+def compile_variant(kernel, consts, num_warps, arch=90, type_of=_gdn_type, options=None):
     """Compile one variant for sm_`arch` (TTIR -> PTX -> ptxas); returns (compiled kernel,
-    ptxas -v summary dict). type_of(arg) gives each non-constexpr argument's Triton type."""
+    ptxas -v summary dict). type_of(arg) gives each non-constexpr argument's Triton type;
+    options: compile options beside num_warps (as the launch passes them)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
@@ -122,12 +137,13 @@ def compile_variant(kernel, consts, num_warps, arch=90, type_of=_gdn_type):
     # pointers, and the sizes the JIT specialises on (a multiple of 16 at the paper shape)
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if sig[a].startswith("*") or a in ALIGNED}
     compiled = triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": num_warps})
+                              options={"num_warps": num_warps, **(options or {})})
     with tempfile.TemporaryDirectory() as d:
         ptx = os.path.join(d, "k.ptx")
         with open(ptx, "w") as f:
             f.write(compiled.asm["ptx"])
-        log = subprocess.run([get_ptxas(arch).path, "-v", f"-arch=sm_{arch}a", ptx, "-o", os.path.join(d, "k.o")],
+        fmad = [] if (options or {}).get("enable_fp_fusion", True) else ["--fmad=false"]  # as Triton calls ptxas
+        log = subprocess.run([get_ptxas(arch).path, "-v", *fmad, f"-arch=sm_{arch}a", ptx, "-o", os.path.join(d, "k.o")],
                              capture_output=True, text=True, check=True).stderr
     regs = int(re.search(r"Used (\d+) registers", log).group(1))
     spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
@@ -139,8 +155,11 @@ def main() -> int:
         print("unset TRITON_INTERPRET: the interpreter replaces the compiler", file=sys.stderr)
         return 2
     failed = False
-    for name, kernel, consts, warps in variants():
-        compiled, info = compile_variant(kernel, consts, warps)
+    for name, kernel, consts, warps, *extra in variants():
+        extra = extra[0] if extra else {}
+        types = extra.get("types", {})
+        compiled, info = compile_variant(kernel, consts, warps, type_of=lambda a: types.get(a) or _gdn_type(a),
+                                         options=extra.get("options"))
         note = ""
         if name.startswith("gemv"):  # a streaming kernel: its weight loads must be 16 bytes wide
             ptx = compiled.asm["ptx"]
