@@ -257,13 +257,17 @@ def test_controlled_rounds_accept_the_forced_count():
 
 
 def test_warm_set_covers_every_power_of_two_context():
-    """The longest and the shortest prompt of every power-of-two context size, longest first."""
+    """The longest and the shortest prompt of every power-of-two context size, longest first, and
+    a prompt for every prefill chunk graph those leave uncaptured."""
     from specla.bench.common import warm_set
 
     items = [(n, f"p{n}") for n in (3, 50, 60, 100, 120, 400, 10)]
     # contexts with 8 new tokens: 11, 58, 68, 108, 128, 408, 18 -> sizes 16, 64, 128, 128, 128, 512, 32
     assert warm_set(items, 8) == ["p400", "p120", "p60", "p50", "p10", "p3"]
     assert warm_set([], 8) == []
+    # one context size (256) holds a 3-token chain, a 120-token sequence (128 wide) and a
+    # 50-token one (64 wide): the latter's prefill graph needs an item of its own
+    assert warm_set([(3, "p3"), (50, "p50"), (120, "p120")], 128) == ["p120", "p50", "p3"]
 
 
 def test_gemv_quick_cpu(tmp_path):

@@ -93,7 +93,17 @@ def warm_set(items, max_new_tokens: int) -> list:
     max_new_tokens), longest first. The first sizes every buffer; each of the others makes the
     drafters capture (and compile) their graph for one more attention window. Both ends of a
     size: a drafter's window also holds its rollout, so one context size spans two windows (the
-    35-token prompt of e7ca6a9's mixed suite captured a window's graph inside its timing)."""
+    35-token prompt of e7ca6a9's mixed suite captured a window's graph inside its timing). Then
+    one more item for every prefill chunk graph the picked ones leave uncaptured
+    (`engine.prefill_chunks`: in e2e_50850ad a 35-token prompt captured the 64-token sequence
+    graph inside its timing, 67-118 ms)."""
+    from specla.engine import SEQUENCE_FROM, prefill_chunks
+
+    def chunk_graphs(n):
+        mode = "chain" if n < SEQUENCE_FROM else "sequence"
+        return {(mode, w) for _, w in prefill_chunks(n, mode)}
+
+    items = list(items)
     groups: dict = {}
     for n, item in items:
         size = n + max_new_tokens
@@ -102,4 +112,9 @@ def warm_set(items, max_new_tokens: int) -> list:
     for group in groups.values():
         hi, lo = max(group, key=lambda t: t[0]), min(group, key=lambda t: t[0])
         picked += [hi] if lo is hi else [hi, lo]
+    seen = set().union(*(chunk_graphs(size - max_new_tokens) for size, _ in picked))
+    for n, item in items:
+        if chunk_graphs(n) - seen:
+            seen |= chunk_graphs(n)
+            picked.append((n + max_new_tokens, item))
     return [item for _, item in sorted(picked, key=lambda t: -t[0])]
