@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specla import fused, topology
+from specla import fused, ops, topology
 from specla.api import DEMO_DIR
 from specla.checkpoint import load_model, save_model
 from specla.config import ModelConfig
@@ -619,7 +619,7 @@ def test_drafter_graphs_follow_the_target_fusion():
 
 @pytest.mark.parametrize("n", [1, 4])
 def test_fp32_attention_equals_sdpa(n):
-    """fp32 drafts attend through two matmuls and a softmax (fp32 SDPA is a slow kernel on
+    """fp32 drafts' masked attention (`ops.masked_attention`; fp32 SDPA is a slow kernel on
     CUDA): the same values as SDPA, with masked-out keys ignored."""
     cfg = tiny_config()
     dm = EagleDrafterModel(EagleConfig.for_target(cfg)).float()
@@ -631,8 +631,8 @@ def test_fp32_attention_equals_sdpa(n):
     mask[..., 0], mask[..., 5] = True, False
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.double().transpose(1, 2), keys.double(), values.double(), attn_mask=mask[:, None], scale=dm.scale)
-    out = dm.attend(q, keys, values, mask)
+    out = ops.masked_attention(q, keys, values, mask, dm.scale)
     assert out.dtype == torch.float32
     assert torch.allclose(out.double(), ref.transpose(1, 2).flatten(2), atol=1e-6)
     keys[:, :, 5], values[:, :, 5] = 1e4, 1e4  # a masked key and its value leave no trace
-    assert torch.equal(dm.attend(q, keys, values, mask), out)
+    assert torch.equal(ops.masked_attention(q, keys, values, mask, dm.scale), out)

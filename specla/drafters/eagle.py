@@ -172,10 +172,6 @@ class EagleDrafterModel(nn.Module):
             self._inv_freq[key] = rotary_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, dtype).to(device)
         return self._inv_freq[key]
 
-    def attend(self, q, keys, values, mask) -> torch.Tensor:
-        """q [B, n, H, hd] against keys, values [B, H, L, hd] under mask [B, n, L] -> [B, n, H * hd]."""
-        return ops.masked_attention(q, keys.to(q.dtype), values.to(q.dtype), mask, self.scale)
-
     def finish(self, x: torch.Tensor, attn: torch.Tensor, gate_up: torch.Tensor | None = None) -> torch.Tensor:
         """The rest of the layer after attention: h [B, n, D] (the next step's feature).
         gate_up: the MLP's `gate_up_weight()`, one matmul instead of two; with it, a draft step

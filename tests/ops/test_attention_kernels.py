@@ -191,7 +191,7 @@ def _old_rollout(d, root, keys, values):
         q, kk, v = m.qkv(x, (d.len + dd)[:, None].expand(B, n))
         d._store(keys, values, d.len[:, None] + start + torch.arange(n), kk, v)
         sees = rows.gather(2, entry_of_slot[:, None, :].expand(B, n, -1))
-        h = m.finish(x, m.attend(q, keys, values, committed[:, None] | (in_draft[:, None] & sees)), d._gate_up)
+        h = m.finish(x, ops.masked_attention(q, keys, values, committed[:, None] | (in_draft[:, None] & sees), m.scale), d._gate_up)
         return m.logits(h, tgt.lm_head.weight)
 
     return tree.beam_search(step, root, d.topk, d.depth, None, True, w, 1 / d.temperature)
