@@ -347,6 +347,10 @@ class EagleDrafter(Drafter):
         self.started = False  # host flag: `pending` holds a feature
         self._bound = 0  # host-side upper bound of max(self.len): growing needs no sync per round
         self._root = torch.zeros(batch, dtype=torch.long, device=dev)  # the rollout graphs' input
+        # the one-beam depths' src, never written: as a tensor of the drafter rather than a zeros
+        # inside the compiled rollout, where each depth's copy was a kernel of its own on the GPU
+        # (the argmax's reduction kernel could not also write it)
+        self._src0 = torch.zeros(batch, 1, dtype=torch.long, device=dev)
         self._graphs, self._extend_graphs = {}, {}  # rollouts by attention window; extends by width
 
     def _graph_fns(self):
@@ -553,7 +557,8 @@ class EagleDrafter(Drafter):
             h = m.finish(x, attn, self._gate_up)
             return m.logits(h, tgt.lm_head.weight)  # the expand normalises the k tokens it keeps
 
-        return tree.beam_search(step, root, self.topk, self.depth, tau, scored, w, 1 / self.temperature)
+        return tree.beam_search(step, root, self.topk, self.depth, tau, scored, w, 1 / self.temperature,
+                                first=self._src0 if self._src0.shape[0] == root.shape[0] else None)
 
     def _replay(self, root: torch.Tensor):
         """`draft` from a CUDA graph over static buffers (root, len, pending, cache), one graph

@@ -67,7 +67,8 @@ def top1(beam_scores: torch.Tensor, logits: torch.Tensor):
 
 
 def beam_search(step, root: torch.Tensor, topk: int, depth: int, tau: float | None = None,
-                scored: bool = True, width: int | None = None, scale: float = 1.0):
+                scored: bool = True, width: int | None = None, scale: float = 1.0,
+                first: torch.Tensor | None = None):
     """The rollout: the pool's tokens, parents (-1 = the root) and scores, [B, P] each.
 
     step(d, tokens, src) -> logits [B, n, V] scores the n beams of depth d (d = 0: the root
@@ -78,13 +79,13 @@ def beam_search(step, root: torch.Tensor, topk: int, depth: int, tau: float | No
     scored=False (top-1 without tau): the scores stay 0 (`top1`). width: beams kept a depth
     (default topk). scale: q sums log-softmax(scale · logits), a temperature of 1 / scale on
     the drafter's distribution; it changes which nodes the budget keeps, not the tokens a
-    beam proposes.
+    beam proposes. first: zeros [B, 1], the src of every one-beam depth (made here if None).
     """
     B, dev = root.shape[0], root.device
     width = topk if width is None else width
     # one tensor for every width-1 depth's src: inside a compiled rollout each fresh zeros that a
     # custom op (`ops.draft_inputs`) reads is a kernel of its own (8 a chain round on the H200)
-    first = torch.zeros(B, 1, dtype=torch.long, device=dev)
+    first = torch.zeros(B, 1, dtype=torch.long, device=dev) if first is None else first
     beam_tok, src = root[:, None], first
     beam_pool = torch.full((B, 1), -1, dtype=torch.long, device=dev)  # the root is no pool node
     beam_score, best, size, pool = None, None, 0, []
