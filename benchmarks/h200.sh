@@ -67,9 +67,11 @@ pack() {  # pack NAME DIR: a trained export comes back as $OUT/NAME.tgz
   [ -d "$2/export" ] && cp "$2"/train_log.jsonl "$2/export/" && tar czf "$OUT/$1.tgz" -C "$2/export" .
 }
 
-drafter() {  # drafter MINUTES: train the EAGLE drafter of the demo target
-  timeout $(( ${1%.*} * 60 + 120 )) $SPECLA train drafter --target specla/models/demo \
-    --data /tmp/responses.npz --out /tmp/drafter-run --max-minutes "$1" --total-minutes "$1" > "$STAGE/drafter.log" 2>&1
+drafter() {  # drafter MINUTES [ARGS...]: train the EAGLE drafter of the demo target
+  local mins=$1; shift
+  timeout $(( ${mins%.*} * 60 + 120 )) $SPECLA train drafter --target specla/models/demo \
+    --data /tmp/responses.npz --out /tmp/drafter-run --max-minutes "$mins" --total-minutes "$mins" "$@" \
+    > "$STAGE/drafter.log" 2>&1
   pack drafter /tmp/drafter-run
 }
 
@@ -126,7 +128,7 @@ run_step() {
     smoke) smoke ;;
     train:*) IFS=: read -r _ mins total <<<"$step"; train "$mins" "$total" ;;
     responses:*) IFS=: read -r _ mins n <<<"$step"; responses "$mins" "$n" ;;
-    drafter:*) drafter "${step#drafter:}" ;;
+    drafter:*) IFS=: read -r _ mins args <<<"$step"; args=${args//,/ }; drafter "$mins" ${args//%/,} ;;  # drafter:MIN[:ARG,...]
     block:*) IFS=: read -r _ name mins args <<<"$step"; args=${args//,/ }; block "$name" "$mins" ${args//%/,}  # block:NAME:MIN:ARG,...
       pack "$name" "$BD/$name" ;;
     blocks:*) IFS=: read -r _ a b <<<"$step"; blocks "$a" "$b" ;;
