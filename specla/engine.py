@@ -51,6 +51,11 @@ if PREFILL not in ("graph", "plain"):
     raise ValueError(f"SPECLA_PREFILL={PREFILL!r}: expected graph or plain")
 
 
+def preferred_prefill_mode(T: int) -> str:
+    """How a T-token prompt is prefilled where nothing stops its chunks being captured."""
+    return "chain" if T < SEQUENCE_FROM else "sequence"
+
+
 def prefill_chunks(T: int, mode: str) -> list[tuple[int, int]]:
     """(start, width) of each graph-replayed chunk of a T-token prompt: chains of PREFILL_WIDTH,
     or sequences of the longest SEQUENCE_WIDTHS with the rest in the smallest that holds it."""
@@ -331,7 +336,7 @@ class GraphTarget(EagerTarget):
         if mode is None:
             if PREFILL == "plain":
                 return "plain"
-            modes = ("sequence", "chain") if T >= SEQUENCE_FROM else ("chain",)
+            modes = dict.fromkeys((preferred_prefill_mode(T), "chain"))  # chains where sequences overrun
             return next((m for m in modes if self._capturable(T, m)), "plain")
         if mode not in ("chain", "sequence", "plain"):
             raise ValueError(f"prefill mode {mode!r}: expected chain, sequence or plain")

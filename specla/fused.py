@@ -238,8 +238,7 @@ def _make_seq_pre(eps, zc, sizes, conv, use_gate, factor_consts, gemv="cublas"):
             xc = F.silu(xp)
         q, k, v, g, beta = factors(xc, a, b, A_log, dt_bias)
         if valid is not None:
-            real = (torch.arange(x.shape[1], device=x.device)[None] < valid[:, None])[..., None]
-            g, beta = g * real, beta * real
+            g, beta = gdn_ref.mask_padding(g, beta, valid)
         return x, q, k, v, g, beta, (z if use_gate else None)
     return seq_pre
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from specla import ops
 from specla.ops.gdn.naive import factors as gdn_factors
+from specla.ops.gdn.naive import mask_padding
 from specla.ops.norm.naive import gated as gated_rms_norm  # the GDN output norm
 from specla.config import ATTENTION, ModelConfig
 from specla.precision import accumulation_dtype
@@ -117,9 +118,8 @@ class GatedDeltaNet(nn.Module):
         else:
             xc = ops.conv_sequence(x, st.conv, self.conv_weight, self.conv_bias, valid)
         q, k, v, g, beta = self._factors(xc, a, b, st.S.dtype)
-        if valid is not None:  # a padding token neither decays (g = 0) nor writes (β = 0) the state
-            real = (torch.arange(h.shape[1], device=h.device)[None] < valid[:, None])[..., None]
-            g, beta = g * real, beta * real
+        if valid is not None:
+            g, beta = mask_padding(g, beta, valid)
         o = ops.gdn_sequence(q, k, v, g, beta, st.S, self.scale, chunked=valid is not None)
         return self._output(o, z, h.dtype)
 

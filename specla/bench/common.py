@@ -97,10 +97,10 @@ def warm_set(items, max_new_tokens: int) -> list:
     one more item for every prefill chunk graph the picked ones leave uncaptured
     (`engine.prefill_chunks`: in e2e_50850ad a 35-token prompt captured the 64-token sequence
     graph inside its timing, 67-118 ms)."""
-    from specla.engine import SEQUENCE_FROM, prefill_chunks
+    from specla.engine import preferred_prefill_mode, prefill_chunks
 
     def chunk_graphs(n):
-        mode = "chain" if n < SEQUENCE_FROM else "sequence"
+        mode = preferred_prefill_mode(n)
         return {(mode, w) for _, w in prefill_chunks(n, mode)}
 
     items = list(items)

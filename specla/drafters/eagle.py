@@ -558,7 +558,7 @@ class EagleDrafter(Drafter):
             return m.logits(h, tgt.lm_head.weight)  # the expand normalises the k tokens it keeps
 
         return tree.beam_search(step, root, self.topk, self.depth, tau, scored, w, 1 / self.temperature,
-                                first=self._src0 if self._src0.shape[0] == root.shape[0] else None)
+                                first=self._src0)
 
     def _replay(self, root: torch.Tensor):
         """`draft` from a CUDA graph over static buffers (root, len, pending, cache), one graph

@@ -31,17 +31,19 @@ def tree_conv(x, conv_state, weight, bias, parents):
     return F.silu(y)
 
 
+def _state_after(hist, length, conv_state):
+    """Write into conv_state [B, C, W-1] the W-1 inputs of hist [B, W-1+T, C] (the old state
+    then T new inputs) that end with the length[b]-th new one."""
+    idx = length[:, None] + torch.arange(conv_state.shape[2], device=hist.device)[None]  # [B, W-1]
+    conv_state.copy_(hist.gather(1, idx[..., None].expand(-1, -1, hist.shape[2])).transpose(1, 2).to(conv_state.dtype))
+
+
 def conv_commit(conv_state, x, path, length):
     """Advance the conv state in place: its last W-1 inputs after consuming x[path[:length]]."""
     B, P = path.shape
-    W1 = conv_state.shape[2]
     rows = torch.arange(B, device=x.device)[:, None]
     xp = x[rows, path].to(conv_state.dtype)  # [B, P, C]
-    hist = torch.cat([conv_state.transpose(1, 2), xp], dim=1)  # [B, W-1+P, C]
-    # the newest W-1 live entries end at index W-1+length-1
-    idx = (length[:, None] + torch.arange(W1, device=x.device)[None, :])  # [B, W-1]
-    new = hist.gather(1, idx[..., None].expand(-1, -1, hist.shape[2]))
-    conv_state.copy_(new.transpose(1, 2))
+    _state_after(torch.cat([conv_state.transpose(1, 2), xp], dim=1), length, conv_state)
 
 
 def conv_sequence(x, conv_state, weight, bias, valid=None):
@@ -49,15 +51,14 @@ def conv_sequence(x, conv_state, weight, bias, valid=None):
     valid [B]: only the first valid[b] inputs are real; the state ends after the last of them."""
     B, T, C = x.shape
     W = weight.shape[1]
-    hist = torch.cat([conv_state.transpose(1, 2).to(x.dtype), x], dim=1).transpose(1, 2)  # [B, C, W-1+T]
-    y = F.conv1d(hist, weight.to(x.dtype)[:, None, :], bias.to(x.dtype) if bias is not None else None, groups=C)
+    hist = torch.cat([conv_state.transpose(1, 2).to(x.dtype), x], dim=1)  # [B, W-1+T, C]
+    y = F.conv1d(hist.transpose(1, 2), weight.to(x.dtype)[:, None, :], bias.to(x.dtype) if bias is not None else None,
+                 groups=C)
     if W > 1:
         if valid is None:
-            tail = hist[:, :, -(W - 1):]
+            conv_state.copy_(hist[:, T:].transpose(1, 2).to(conv_state.dtype))
         else:
-            idx = valid[:, None] + torch.arange(W - 1, device=x.device)[None]
-            tail = hist.gather(2, idx[:, None].expand(-1, C, -1))
-        conv_state.copy_(tail.to(conv_state.dtype))
+            _state_after(hist, valid, conv_state)
     return F.silu(y.transpose(1, 2))
 
 
@@ -77,11 +78,9 @@ def conv_taps(x, conv_state, weight, bias, valid=None):
     if bias is not None:
         y = y + bias.to(acc)
     if valid is None:
-        tail = hist[:, T:]
+        conv_state.copy_(hist[:, T:].transpose(1, 2).to(conv_state.dtype))
     else:
-        idx = valid[:, None] + torch.arange(W - 1, device=x.device)[None]
-        tail = hist.gather(1, idx[..., None].expand(-1, -1, hist.shape[2]))
-    conv_state.copy_(tail.transpose(1, 2).to(conv_state.dtype))
+        _state_after(hist, valid, conv_state)
     return F.silu(y.to(x.dtype))
 
 

@@ -32,6 +32,13 @@ def factors(xc, a, b, A_log, dt_bias, num_heads: int, head_dim: int, neg_eigval:
     return qk[:, :, :H], qk[:, :, H:], v, g, beta
 
 
+def mask_padding(g, beta, valid):
+    """g, β [B, T, HV] with the tokens past valid[b] made padding: g = 0 (no decay) and β = 0 (no
+    write), so they leave the state as it was (a graph prefill's padded chunk)."""
+    real = (torch.arange(g.shape[1], device=g.device)[None] < valid[:, None])[..., None]
+    return g * real, beta * real
+
+
 def _expand_heads(x: torch.Tensor, hv: int) -> torch.Tensor:
     """[B, n, H, K] -> [B, n, HV, K] by repeating each key head over its group of value heads."""
     h = x.shape[2]
