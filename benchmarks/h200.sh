@@ -50,12 +50,12 @@ train() {  # train MINUTES [TOTAL_MINUTES]
   cp "$RUN"/export/*.safetensors "$OUT"/
 }
 
-responses() {  # responses MINUTES SHARDS: the demo target's own answers (the drafters' data),
+responses() {  # responses MINUTES SHARDS [ARGS...]: the demo target's own answers (the drafters' data),
   # SHARDS processes side by side on this lane's GPU (eager decoding leaves it mostly idle)
-  local n=${2:-1} k
+  local mins=$1 n=${2:-1} k; shift 2
   for k in $(seq 0 $((n - 1))); do
-    timeout $(( ${1%.*} * 60 + 150 )) $SPECLA data responses --target specla/models/demo --out /tmp/responses.$k.npz \
-      --corpus .corpus --max-minutes "$1" --no-graphs --batch-size 256 --shard "$k/$n" > "$STAGE/responses.$k.log" 2>&1 &
+    timeout $(( ${mins%.*} * 60 + 150 )) $SPECLA data responses --target specla/models/demo --out /tmp/responses.$k.npz \
+      --corpus .corpus --max-minutes "$mins" --no-graphs --batch-size 256 --shard "$k/$n" "$@" > "$STAGE/responses.$k.log" 2>&1 &
   done
   wait
   $SPECLA data merge-responses --out /tmp/responses.npz /tmp/responses.*.npz
@@ -127,7 +127,7 @@ run_step() {
   case $step in
     smoke) smoke ;;
     train:*) IFS=: read -r _ mins total <<<"$step"; train "$mins" "$total" ;;
-    responses:*) IFS=: read -r _ mins n <<<"$step"; responses "$mins" "$n" ;;
+    responses:*) IFS=: read -r _ mins n args <<<"$step"; args=${args//,/ }; responses "$mins" "${n:-1}" ${args//%/,} ;;  # responses:MIN:SHARDS[:ARG,...]
     drafter:*) IFS=: read -r _ mins args <<<"$step"; args=${args//,/ }; drafter "$mins" ${args//%/,} ;;  # drafter:MIN[:ARG,...]
     block:*) IFS=: read -r _ name mins args <<<"$step"; args=${args//,/ }; block "$name" "$mins" ${args//%/,}  # block:NAME:MIN:ARG,...
       pack "$name" "$BD/$name" ;;
