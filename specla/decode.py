@@ -110,6 +110,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def prefill_spans(T: int, chunk: int = 2048) -> list[tuple[int, int]]:
+    """(start, end) of each `target.prefill` call for a T-token prompt: all but the last token
+    (the first round's root), at most `chunk` tokens a call."""
+    return [(s, min(s + chunk, T - 1)) for s in range(0, T - 1, chunk)]
+
+
 class Decoder:
     def __init__(self, model: Model, drafter: Drafter | None = None, route: str | None = None,
                  sampling: Sampling | None = None, delayed: bool = True,
@@ -231,8 +237,8 @@ class Decoder:
         """Consume all but the last prompt token (the first round's root) into the target and
         the drafter."""
         B, T = prompts.shape
-        for s in range(0, T - 1, self.prefill_chunk):
-            chunk = prompts[:, s:min(s + self.prefill_chunk, T - 1)]
+        for s, e in prefill_spans(T, self.prefill_chunk):
+            chunk = prompts[:, s:e]
             out = target.prefill(chunk, self.capture)
             if self.drafter is not None:
                 self.drafter.extend(chunk, out.hidden, torch.full((B,), chunk.shape[1], device=chunk.device))

@@ -268,6 +268,17 @@ def test_warm_set_covers_every_power_of_two_context():
     # one context size (256) holds a 3-token chain, a 120-token sequence (128 wide) and a
     # 50-token one (64 wide): the latter's prefill graph needs an item of its own
     assert warm_set([(3, "p3"), (50, "p50"), (120, "p120")], 128) == ["p120", "p50", "p3"]
+    # a prompt prefills all but its last token: the 129-token prompt's chunk is 128 wide, so the
+    # 135-token one (134 tokens, 256 wide) needs its own item (e2e_4cce904's HumanEval/0)
+    assert warm_set([(129, "p129"), (135, "p135"), (380, "p380")], 128) == ["p380", "p135", "p129"]
+
+
+def test_prefill_spans_leave_the_root():
+    from specla.decode import prefill_spans
+
+    assert prefill_spans(1) == []
+    assert prefill_spans(129) == [(0, 128)]
+    assert prefill_spans(5000, 2048) == [(0, 2048), (2048, 4096), (4096, 4999)]
 
 
 def test_gemv_quick_cpu(tmp_path):

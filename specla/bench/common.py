@@ -95,13 +95,19 @@ def warm_set(items, max_new_tokens: int) -> list:
     size: a drafter's window also holds its rollout, so one context size spans two windows (the
     35-token prompt of e7ca6a9's mixed suite captured a window's graph inside its timing). Then
     one more item for every prefill chunk graph the picked ones leave uncaptured
-    (`engine.prefill_chunks`: in e2e_50850ad a 35-token prompt captured the 64-token sequence
-    graph inside its timing, 67-118 ms)."""
+    (`engine.prefill_chunks` of what `decode.prefill_spans` prefills, all but the last prompt
+    token: in e2e_50850ad a 35-token prompt captured the 64-token sequence graph inside its
+    timing, 67-118 ms; in e2e_4cce904 a 135-token prompt the 256-token one, because the
+    129-token warm-up prompt prefills 128 tokens)."""
+    from specla.decode import prefill_spans
     from specla.engine import preferred_prefill_mode, prefill_chunks
 
     def chunk_graphs(n):
-        mode = preferred_prefill_mode(n)
-        return {(mode, w) for _, w in prefill_chunks(n, mode)}
+        graphs = set()
+        for s, e in prefill_spans(n):
+            mode = preferred_prefill_mode(e - s)
+            graphs |= {(mode, w) for _, w in prefill_chunks(e - s, mode)}
+        return graphs
 
     items = list(items)
     groups: dict = {}
