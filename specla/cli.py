@@ -302,7 +302,8 @@ def train_drafter_cmd(
     seq_len: int = typer.Option(768),
     lr: Optional[float] = typer.Option(None, help="Peak LR (default 1e-3 eagle and dspark, 1e-4 ready stage 1, "
                                        "5e-5 stage 2 and dspark-ft)."),
-    unroll: int = typer.Option(6, help="eagle: training-time-test steps (drafter fed its own outputs)."),
+    unroll: int = typer.Option(8, help="eagle: training-time-test steps (drafter fed its own outputs); "
+                               "the chain route drafts 8."),
     feature_layers: Optional[str] = typer.Option(None, help="eagle: comma-separated target layers "
                                                  "(default L/4, L/2, L-1)."),
     anchors: int = typer.Option(16, help="Block drafters: draft blocks per sequence per step."),
@@ -395,11 +396,12 @@ def data_responses(
     target: Path = typer.Option(..., help="Target checkpoint directory."),
     out: Path = typer.Option(..., help="Output .npz of prompts and the target's greedy responses."),
     corpus: Path = typer.Option(Path(".corpus")),
-    n_prompts: int = typer.Option(8192),
+    n_prompts: int = typer.Option(16384, help="With the default share: every ShareGPT opener of the reference "
+                                  "corpus and nearly every GSM8K training question (the shipped drafter's data)."),
     max_new_tokens: int = typer.Option(256),
-    gsm8k_share: float = typer.Option(0.3),
+    gsm8k_share: float = typer.Option(0.45),
     max_prompt_tokens: int = typer.Option(384),
-    batch_size: int = typer.Option(128),
+    batch_size: int = typer.Option(512),
     max_minutes: Optional[float] = typer.Option(None),
     graphs: bool = typer.Option(False, "--graphs/--no-graphs"),
     shard: str = typer.Option("0/1", help="K/N: every N-th prompt from the K-th (parallel collection; "

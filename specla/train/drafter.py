@@ -59,7 +59,7 @@ def opening_turns(text: str) -> list[dict]:
     return turns if any(t["role"] == "user" for t in turns) else []
 
 
-def training_prompts(corpus_dir, n_prompts: int, gsm8k_share: float = 0.3, seed: int = 0) -> list[tuple[str, list[dict]]]:
+def training_prompts(corpus_dir, n_prompts: int, gsm8k_share: float = 0.45, seed: int = 0) -> list[tuple[str, list[dict]]]:
     """(source, turns) for n_prompts prompts: the opening turns of ShareGPT conversations from
     the corpus training split and GSM8K training questions, a seeded sample of each, shuffled
     together. Only a conversation's first chunk (id suffix _0) counts: later chunks open
@@ -258,9 +258,9 @@ class ResponseBatches:
         return torch.from_numpy(tokens), torch.from_numpy(valid)
 
 
-def collect_responses(target_dir, out_file, n_prompts: int = 8192, max_new_tokens: int = 256,
-                      corpus_dir=".corpus", gsm8k_share: float = 0.3, max_prompt_tokens: int = 384,
-                      batch_size: int = 128, max_cut: int = 16, seed: int = 0, device: str = "auto", dtype: str = "auto",
+def collect_responses(target_dir, out_file, n_prompts: int = 16384, max_new_tokens: int = 256,
+                      corpus_dir=".corpus", gsm8k_share: float = 0.45, max_prompt_tokens: int = 384,
+                      batch_size: int = 512, max_cut: int = 16, seed: int = 0, device: str = "auto", dtype: str = "auto",
                       max_minutes: float | None = None, graphs: bool = False, shard: tuple[int, int] = (0, 1),
                       progress: bool = True) -> dict:
     """Generate the target's greedy responses to training prompts; write them to out_file (.npz).
@@ -376,7 +376,7 @@ def evaluate(drafter: EagleDrafterModel, target: Model, batches: ResponseBatches
 
 def train_drafter(target_dir, out_dir, data, total_steps: int | None = None, total_minutes: float = 8.0,
                   max_minutes: float = 8.0, batch_size: int = 32, seq_len: int = 768, lr: float = 1e-3,
-                  warmup: int = 100, weight_decay: float = 0.01, unroll: int = 6, step_decay: float = 0.8,
+                  warmup: int = 100, weight_decay: float = 0.01, unroll: int = 8, step_decay: float = 0.8,
                   feature_layers: list[int] | None = None, val_fraction: float = 0.02, eval_every: int = 250,
                   eval_batches: int = 8, log_every: int = 10, checkpoint_minutes: float = 2.0, seed: int = 0,
                   device: str = "auto", init_from=None, progress: bool = True) -> dict:
