@@ -55,7 +55,7 @@ responses() {  # responses MINUTES SHARDS [ARGS...]: the demo target's own answe
   local mins=$1 n=${2:-1} k; shift 2
   for k in $(seq 0 $((n - 1))); do
     timeout $(( ${mins%.*} * 60 + 150 )) $SPECLA data responses --target specla/models/demo --out /tmp/responses.$k.npz \
-      --corpus .corpus --max-minutes "$mins" --no-graphs --batch-size 256 --shard "$k/$n" "$@" > "$STAGE/responses.$k.log" 2>&1 &
+      --corpus .corpus --max-minutes "$mins" --no-graphs --shard "$k/$n" "$@" > "$STAGE/responses.$k.log" 2>&1 &
   done
   wait
   $SPECLA data merge-responses --out /tmp/responses.npz /tmp/responses.*.npz

@@ -1,6 +1,8 @@
 """The tree scores' temperature: tokens a round of the demo pair's tree route at several
-temperatures of the drafter's distribution, on held-out prompts (GSM8K *training* questions,
-which no evaluation suite holds), greedy, 128 new tokens, with the 8-token chain beside them.
+temperatures of the drafter's distribution, on held-out prompts (the GSM8K *training* questions
+the shipped drafter's data left out — `specla data responses` samples 7,373 of the 7,473 with
+seed 0 — which no evaluation suite holds either), greedy, 128 new tokens, with the 8-token
+chain beside them.
 
 A tree keeps the budget's best nodes by q(v), the drafter's cumulative log-probability. The
 temperature only changes that ranking (the beams' tokens stay the top-k): below 1 it ranks the
@@ -16,11 +18,18 @@ from __future__ import annotations
 import argparse
 import json
 
+import numpy as np
+
 import specla.api as api
 from specla.bench.common import environment
 from specla.data.suites import load_gsm8k_train
 
-FIRST = 7000  # held-out questions: the last of GSM8K's 7,473 training questions
+
+
+def held_out(questions: list, n_gsm: int = 7373, seed: int = 0) -> list[int]:
+    """Indices of the GSM8K training questions `train.drafter.training_prompts` leaves out at its
+    defaults (its first draw: a permutation of the questions, the first n_gsm taken)."""
+    return sorted(np.random.default_rng(seed).permutation(len(questions))[n_gsm:].tolist())
 
 
 def main():
@@ -35,8 +44,9 @@ def main():
     a = ap.parse_args()
 
     lm = api.load(device=a.device, dtype=a.dtype)
-    questions = load_gsm8k_train()[FIRST:FIRST + a.n_prompts]
-    prompts = [[{"role": "user", "content": q["question"]}] for q in questions]
+    questions = load_gsm8k_train()
+    picked = held_out(questions)[:a.n_prompts]
+    prompts = [[{"role": "user", "content": questions[i]["question"]}] for i in picked]
     runs = [("chain", dict(route="chain", chain_length=8))]
     shapes = [tuple(int(x) for x in sh.split("x")) for sh in a.shapes.split(",")]
     runs += [(f"tree d{d} n{n} T={t}", dict(route="tree", tree_topk=4, tree_depth=d, tree_budget=n,
@@ -52,7 +62,7 @@ def main():
         print(json.dumps(rows[-1]), flush=True)
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({**environment(), "prompts": f"GSM8K train questions {FIRST}..{FIRST + a.n_prompts - 1}",
+            json.dump({**environment(), "prompts": f"GSM8K train questions left out of the drafter's data: {picked}",
                        "dtype": str(lm.model.dtype).replace("torch.", ""), "rows": rows}, f, indent=1)
 
 
