@@ -23,7 +23,9 @@ app.add_typer(data_app, name="data")
 
 @app.command()
 def generate(
-    prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text (wrapped in the chat template unless --raw)."),
+    text: Optional[str] = typer.Argument(None, help="Prompt text (or pass --prompt)."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text (wrapped in the chat template "
+                                         "unless --raw)."),
     model: Optional[Path] = typer.Option(None, "--model", "-m", help="Checkpoint directory (default: the demo model)."),
     route: str = typer.Option("chain", help="ar | chain | tree | fla (FLA-SD baseline) | mtp | dspark | ready. "
                               "chain is the default: the fastest route of the demo pair on the H200 and on CPU "
@@ -62,6 +64,9 @@ def generate(
     """Generate text; streams it, then prints tokens/s and the mean accepted length."""
     import specla.api as api
 
+    if (text is None) == (prompt is None):
+        raise SpeclaError("give the prompt once: as the argument (specla generate \"...\") or as --prompt")
+    prompt = prompt if text is None else text
     if max_new_tokens <= 0:
         raise SpeclaError(f"--max-new-tokens must be positive, got {max_new_tokens}")
     if route not in api.ROUTES:

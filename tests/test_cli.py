@@ -49,7 +49,7 @@ def test_generate_json(model_dir):
 
 
 def test_generate_streams_text_and_summary(model_dir):
-    code, out, err = specla("generate", "--model", str(model_dir), "--prompt", "hello", "--route", "chain",
+    code, out, err = specla("generate", "hello", "--model", str(model_dir), "--route", "chain",
                             "-n", "8", "--device", "cpu", "--temperature", "0.7", "--seed", "3")
     assert code == 0, err
     assert "tokens/s" in err and "mean accepted length" in err
@@ -72,6 +72,8 @@ BAD = [
     (["--prompt", "hi", "--route", "beam"], "unknown route"),
     (["--prompt", "hi", "--dtype", "int8"], "unknown dtype"),
     (["--prompt", "hi", "--compile", "fast"], "unknown compile mode"),
+    (["-n", "4"], "give the prompt once"),
+    (["hi", "--prompt", "hi", "-n", "4"], "give the prompt once"),
 ]
 
 
