@@ -58,7 +58,7 @@ from specla.ops.conv import naive as conv_ref
 from specla.ops.reader import naive as reader_ref
 from specla.precision import accumulation_dtype
 from specla.train.drafter import ResponseBatches, ResponseSet
-from specla.train.loop import RunClock, optimizer_step, save_checkpoint
+from specla.train.loop import RunClock, optimizer_step, run_steps, save_checkpoint
 
 KINDS = ("dspark", "dspark-ft", "ready")
 # ReaDy Table 8: AdamW (0.9, 0.999), eps 1e-8, no weight decay; stage 1 lr 1e-4, stage 2 lr 5e-5
@@ -399,7 +399,7 @@ def train_block_drafter(target_dir, out_dir, data, kind: str = "dspark", init_fr
             "batch_size": batch_size * world, "seq_len": seq_len, "anchors": anchors, "lr": lr, "world": world,
             "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}) + "\n")
 
-    def save() -> None:
+    def save(step: int, train_seconds: float) -> None:
         if not main:
             return
         save_checkpoint({"kind": kind, "stage": stage, "model_type": model.model_type, "config": dataclasses.asdict(model.cfg),
@@ -408,31 +408,25 @@ def train_block_drafter(target_dir, out_dir, data, kind: str = "dspark", init_fr
 
     metrics, evaluated_at = {}, None
 
-    def validate() -> dict:
-        nonlocal evaluated_at
+    def validate(step: int, train_seconds: float) -> None:
+        nonlocal metrics, evaluated_at
         evaluated_at = step
-        result = evaluate(loss_fn, target, val, eval_batches, anchors, seed, chunk)
+        metrics = evaluate(loss_fn, target, val, eval_batches, anchors, seed, chunk)
         if main:
-            log.write(json.dumps({"step": step, **result, "train_seconds": round(train_seconds, 1)}) + "\n")
+            log.write(json.dumps({"step": step, **metrics, "train_seconds": round(train_seconds, 1)}) + "\n")
             log.flush()
-        return result
 
-    model.train()
-    clock = RunClock(total_steps, total_minutes, max_minutes, checkpoint_minutes, dev, distributed)
-    bar = tqdm(total=total_steps, initial=step, desc=f"train {kind}" + ("" if scratch else f" stage {stage}"),
-               unit="step", disable=not (progress and main))
-    while not clock.finished(step):
-        t0 = time.time()
+    def train_step(step: int):
+        nonlocal seqs_seen
         *args, states = _batch(target, model, train, step, anchors, seed, rank, dev, chunk)
         cur_lr = clock.lr(step, lr, warmup)
         (loss, stats), gnorm = optimizer_step(opt, train_params, cur_lr, dev,
                                               lambda: net(*args, target.lm_head.weight, states))
-        step += 1
         seqs_seen += batch_size * world
-        train_seconds += clock.step_seconds(step, t0)
-        if clock.step_done(step, train_seconds):
-            bar.total = clock.total_steps
-        bar.update(1)
+        return loss, stats, gnorm, cur_lr
+
+    def after_step(step: int, train_seconds: float, result) -> None:
+        loss, stats, gnorm, cur_lr = result
         if main and step % log_every == 0:
             s = summarize(stats)
             bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{s['top1'][0]:.3f}", tau=f"{s['accept_length']:.2f}")
@@ -440,16 +434,17 @@ def train_block_drafter(target_dir, out_dir, data, kind: str = "dspark", init_fr
                                   "accept_length": s["accept_length"], "lr": cur_lr, "grad_norm": round(float(gnorm), 3),
                                   "sequences": seqs_seen, "train_seconds": round(train_seconds, 1)}) + "\n")
         if step % eval_every == 0:
-            metrics = validate()
-        if clock.checkpoint_due():
-            save()
-        if clock.out_of_time():
-            break
-    bar.close()
+            validate(step, train_seconds)
+
+    model.train()
+    clock = RunClock(total_steps, total_minutes, max_minutes, checkpoint_minutes, dev, distributed)
+    bar = tqdm(total=total_steps, initial=step, desc=f"train {kind}" + ("" if scratch else f" stage {stage}"),
+               unit="step", disable=not (progress and main))
+    step, train_seconds = run_steps(clock, bar, step, train_seconds, train_step, after_step, save)
     total_steps = clock.total_steps
     if evaluated_at != step:
-        metrics = validate()
-    save()
+        validate(step, train_seconds)
+    save(step, train_seconds)
     summary = {"kind": kind, "stage": stage, "step": step, "total_steps": total_steps,
                "finished": total_steps is not None and step >= total_steps, "sequences_seen": seqs_seen,
                "train_seconds": round(train_seconds, 1), **metrics, "wall_seconds": round(time.time() - t_start, 1)}

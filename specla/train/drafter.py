@@ -40,7 +40,7 @@ from specla.errors import InputError
 from specla.model import Model
 from specla.precision import accumulation_dtype
 from specla.train.dist import setup, wrap
-from specla.train.loop import RunClock, optimizer_step, save_checkpoint
+from specla.train.loop import RunClock, optimizer_step, run_steps, save_checkpoint
 
 
 # --------------------------------------------------------------------------- prompts
@@ -440,7 +440,7 @@ def train_drafter(target_dir, out_dir, data, total_steps: int | None = None, tot
                               "world": world, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"})
                   + "\n")
 
-    def save() -> None:
+    def save(step: int, train_seconds: float) -> None:
         if not main:
             return
         save_checkpoint({"config": dataclasses.asdict(cfg), "model": drafter.state_dict(), "optimizer": opt.state_dict(),
@@ -451,45 +451,40 @@ def train_drafter(target_dir, out_dir, data, total_steps: int | None = None, tot
     clock = RunClock(total_steps, total_minutes, max_minutes, checkpoint_minutes, dev, distributed)
     metrics, evaluated_at = {}, None
 
-    def validate() -> dict:
-        nonlocal evaluated_at
+    def validate(step: int, train_seconds: float) -> None:
+        nonlocal metrics, evaluated_at
         evaluated_at = step
-        result = evaluate(drafter, target, val, eval_batches, unroll, step_decay)
+        metrics = evaluate(drafter, target, val, eval_batches, unroll, step_decay)
         if main:
-            log.write(json.dumps({"step": step, **result, "train_seconds": round(train_seconds, 1)}) + "\n")
+            log.write(json.dumps({"step": step, **metrics, "train_seconds": round(train_seconds, 1)}) + "\n")
             log.flush()
-        return result
 
-    bar = tqdm(total=total_steps, initial=step, desc="train drafter", unit="step", disable=not (progress and main))
-    while not clock.finished(step):
-        t0 = time.time()
+    def train_step(step: int):
+        nonlocal seqs_seen
         tokens, valid = (t.to(dev, non_blocking=True) for t in train.get(step))
         hidden, emb, logp = target_side(target, tokens, cfg.feature_layers)
         cur_lr = clock.lr(step, lr, warmup)
         (loss, top1), gnorm = optimizer_step(opt, drafter.parameters(), cur_lr, dev,
                                              lambda: net(hidden, emb, logp, valid, target.lm_head.weight))
-        step += 1
         seqs_seen += batch_size * world
-        train_seconds += clock.step_seconds(step, t0)
-        if clock.step_done(step, train_seconds):
-            bar.total = clock.total_steps
-        bar.update(1)
+        return loss, top1, gnorm, cur_lr
+
+    def after_step(step: int, train_seconds: float, result) -> None:
+        loss, top1, gnorm, cur_lr = result
         if main and step % log_every == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{top1[0].item():.3f}")
             log.write(json.dumps({"step": step, "loss": round(loss.item(), 4), "top1": [round(x, 4) for x in top1.tolist()],
                                   "lr": cur_lr, "grad_norm": round(float(gnorm), 3), "sequences": seqs_seen,
                                   "train_seconds": round(train_seconds, 1)}) + "\n")
         if step % eval_every == 0:
-            metrics = validate()
-        if clock.checkpoint_due():
-            save()
-        if clock.out_of_time():
-            break
-    bar.close()
+            validate(step, train_seconds)
+
+    bar = tqdm(total=total_steps, initial=step, desc="train drafter", unit="step", disable=not (progress and main))
+    step, train_seconds = run_steps(clock, bar, step, train_seconds, train_step, after_step, save)
     total_steps = clock.total_steps
     if evaluated_at != step:  # every run ends with a validation
-        metrics = validate()
-    save()
+        validate(step, train_seconds)
+    save(step, train_seconds)
     summary = {"step": step, "total_steps": total_steps, "finished": total_steps is not None and step >= total_steps,
                "sequences_seen": seqs_seen, "train_seconds": round(train_seconds, 1), **metrics,
                "wall_seconds": round(time.time() - t_start, 1)}

@@ -1,4 +1,5 @@
-"""Time-bounded, resumable training runs: the schedule, the clock and the stopping rule.
+"""Time-bounded, resumable training runs: the schedule, the clock, the stopping rule and the step
+loop the trainers share (`run_steps`).
 
 A run trains for at most `max_minutes`, then checkpoints and exits; the same command resumes.
 When the schedule length is not given, it is fixed after measuring the pace over
@@ -86,6 +87,30 @@ class RunClock:
             self.last_checkpoint = time.time()
             return True
         return False
+
+
+def run_steps(clock: RunClock, bar, step: int, train_seconds: float, train_step, after_step, save) -> tuple[int, float]:
+    """The step loop the trainers share, from `step` until the schedule ends or the run's time is up.
+
+    train_step(step) takes one optimiser step (step: the steps done before it) and returns what
+    after_step(step, train_seconds, result) needs: the trainer's logging and validation, which
+    differ. save(step, train_seconds) writes a checkpoint when one is due. Closes the bar;
+    returns (step, train_seconds) where the run stopped, for the trainer's end of run."""
+    while not clock.finished(step):
+        t0 = time.time()
+        result = train_step(step)
+        step += 1
+        train_seconds += clock.step_seconds(step, t0)
+        if clock.step_done(step, train_seconds):
+            bar.total = clock.total_steps
+        bar.update(1)
+        after_step(step, train_seconds, result)
+        if clock.checkpoint_due():
+            save(step, train_seconds)
+        if clock.out_of_time():
+            break
+    bar.close()
+    return step, train_seconds
 
 
 def optimizer_step(opt, params, lr: float, device: torch.device, forward):

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from specla.config import ModelConfig
 from specla.model import Model
 from specla.train.dist import setup, wrap
-from specla.train.loop import RunClock, optimizer_step, save_checkpoint
+from specla.train.loop import RunClock, optimizer_step, run_steps, save_checkpoint
 
 def demo_config(tokenizer) -> ModelConfig:
     """The shipped demo target: depth over width within the 28 MB budget (DESIGN §9)."""
@@ -135,27 +135,23 @@ def train_target(out_dir, corpus_dir, tokenizer_dir, config: ModelConfig | None 
         model.train()
         return sum(losses) / len(losses)
 
-    def save() -> None:
+    def save(step: int, train_seconds: float) -> None:
         if not main:
             return
         save_checkpoint({"config": dataclasses.asdict(cfg), "model": model.state_dict(), "optimizer": opt.state_dict(),
                     "step": step, "train_seconds": train_seconds, "tokens_seen": tokens_seen,
                     "total_steps": clock.total_steps}, ckpt_path)
 
-    model.train()
-    clock = RunClock(total_steps, total_minutes, max_minutes, checkpoint_minutes, dev, distributed)
-    bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not (progress and main))
-    while not clock.finished(step):
-        t0 = time.time()
+    def train_step(step: int):
+        nonlocal tokens_seen
         batch = train.get(step).to(dev, non_blocking=True)
         cur_lr = clock.lr(step, lr, warmup)
         loss, gnorm = optimizer_step(opt, model.parameters(), cur_lr, dev, lambda: net(batch))
-        step += 1
         tokens_seen += batch_size * seq_len * world
-        train_seconds += clock.step_seconds(step, t0)
-        if clock.step_done(step, train_seconds):
-            bar.total = clock.total_steps
-        bar.update(1)
+        return loss, gnorm, cur_lr
+
+    def after_step(step: int, train_seconds: float, result) -> None:
+        loss, gnorm, cur_lr = result
         if main and step % log_every == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{cur_lr:.2e}")
             log.write(json.dumps({"step": step, "loss": round(loss.item(), 4), "lr": cur_lr,
@@ -167,12 +163,12 @@ def train_target(out_dir, corpus_dir, tokenizer_dir, config: ModelConfig | None 
                 log.write(json.dumps({"step": step, "val_loss": round(vl, 4), "tokens": tokens_seen,
                                       "train_seconds": round(train_seconds, 1)}) + "\n")
                 log.flush()
-        if clock.checkpoint_due():
-            save()
-        if clock.out_of_time():
-            break
-    bar.close()
-    save()
+
+    model.train()
+    clock = RunClock(total_steps, total_minutes, max_minutes, checkpoint_minutes, dev, distributed)
+    bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not (progress and main))
+    step, train_seconds = run_steps(clock, bar, step, train_seconds, train_step, after_step, save)
+    save(step, train_seconds)
     total_steps = clock.total_steps
     finished = clock.finished(step)
     summary = {"step": step, "total_steps": total_steps, "finished": finished, "tokens_seen": tokens_seen,
