@@ -31,6 +31,8 @@ from specla.data.suites import load_suite
 SHAPES = {  # name -> generate() options
     "ar": dict(route="ar"),
     "chain8": dict(route="chain", chain_length=8),
+    "chain10": dict(route="chain", chain_length=10),
+    "chain12": dict(route="chain", chain_length=12),
     "tree-k4-d8-n16": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16),
     "tree-k4-d6-n16": dict(route="tree", tree_topk=4, tree_depth=6, tree_budget=16),
     "tree-k4-d7-n16": dict(route="tree", tree_topk=4, tree_depth=7, tree_budget=16),

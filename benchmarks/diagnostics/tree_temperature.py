@@ -11,6 +11,7 @@ the device; this runs wherever the model does (CPU: fp32).
 
     python benchmarks/diagnostics/tree_temperature.py [--temperatures 0.25,0.5,1,2] [--n-prompts 30] [--out FILE]
         [--shapes 8x16,8x24,10x16]     # trees of depth x node budget (default 8x16, the e2e route's)
+        [--chains 8,10]                # chain lengths (default 8, the e2e route's)
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def main():
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--shapes", default="8x16", help="trees as DEPTHxBUDGET, comma-separated")
+    ap.add_argument("--chains", default="8", help="chain lengths beside the trees, comma-separated")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
 
@@ -47,7 +49,8 @@ def main():
     questions = load_gsm8k_train()
     picked = held_out(questions)[:a.n_prompts]
     prompts = [[{"role": "user", "content": questions[i]["question"]}] for i in picked]
-    runs = [("chain", dict(route="chain", chain_length=8))]
+    runs = [(f"chain{n}" if n != "8" else "chain", dict(route="chain", chain_length=int(n)))
+            for n in a.chains.split(",")]
     shapes = [tuple(int(x) for x in sh.split("x")) for sh in a.shapes.split(",")]
     runs += [(f"tree d{d} n{n} T={t}", dict(route="tree", tree_topk=4, tree_depth=d, tree_budget=n,
                                              tree_temperature=float(t)))
