@@ -50,6 +50,17 @@ def _factor(path, g, b, hv, p, P, n_live, n_src, HV: tl.constexpr, HAS_PATH: tl.
 
 
 @triton.jit
+def _factor_rows(k, g, u, path, b, hv, i_h, p, P, n_live, n_src, o_k, mk, o_v, mv,
+                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, HAS_PATH: tl.constexpr):
+    """Factor p's k and u rows, each loaded straight into the vector layout it is used in and only
+    if the factor is live, its log-decay and whether it is live."""
+    row, live, gp = _factor(path, g, b, hv, p, P, n_live, n_src, HV, HAS_PATH)
+    kr = tl.load(k + (row * H + i_h) * K + o_k, mask=mk & live, other=0.0).to(tl.float32)
+    ur = tl.load(u + (row * HV + hv) * V + o_v, mask=mv & live, other=0.0).to(tl.float32)
+    return kr, ur, gp, live
+
+
+@triton.jit
 def advance_tile(S, b, hv, i_h, k, g, u, path, length, n_src, P,
                  o_k, mk, o_v, mv,
                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -60,16 +71,23 @@ def advance_tile(S, b, hv, i_h, k, g, u, path, length, n_src, P,
     [BK, BV] fp32 tile of rows o_k, columns o_v.
     """
     n_live = tl.load(length + b)
+    # factor p + 2's rows are requested before factor p is applied: loaded just before its own
+    # update, each factor stalled the loop for a load's latency (the update itself is one FMA per
+    # tile element), which made the fused commit-and-verify cost grow with the accepted length
+    # (kernels.json, Fig 11b). A dead factor is skipped, not applied as the identity: a chain
+    # buffer has 16 padded rows and ~5 accepted ones, and the 16-long FMA chain over the tile
+    # cost more than the verify's first nodes (H200, pending_update_9fe7990.json)
+    k0, u0, g0, live0 = _factor_rows(k, g, u, path, b, hv, i_h, 0, P, n_live, n_src, o_k, mk, o_v, mv,
+                                     H, HV, K, V, HAS_PATH)
+    k1, u1, g1, live1 = _factor_rows(k, g, u, path, b, hv, i_h, 1, P, n_live, n_src, o_k, mk, o_v, mv,
+                                     H, HV, K, V, HAS_PATH)
     for p in tl.static_range(PP):
-        # each row is loaded straight into the vector layout it is used in, only if it is live
-        # (within length and P); a dead row is skipped, not applied as the identity: a chain
-        # buffer has 16 padded rows and ~5 accepted ones, and the 16-long FMA chain over the tile
-        # cost more than the verify's first nodes (H200, pending_update_9fe7990.json)
-        row, livep, gp = _factor(path, g, b, hv, p, P, n_live, n_src, HV, HAS_PATH)
-        kr = tl.load(k + (row * H + i_h) * K + o_k, mask=mk & livep, other=0.0).to(tl.float32)
-        ur = tl.load(u + (row * HV + hv) * V + o_v, mask=mv & livep, other=0.0).to(tl.float32)
-        if livep:
-            S = decay_update(S, tl.exp(gp), kr, ur)
+        k2, u2, g2, live2 = _factor_rows(k, g, u, path, b, hv, i_h, p + 2, P, n_live, n_src, o_k, mk, o_v, mv,
+                                         H, HV, K, V, HAS_PATH)
+        if live0:
+            S = decay_update(S, tl.exp(g0), k0, u0)
+        k0, u0, g0, live0 = k1, u1, g1, live1
+        k1, u1, g1, live1 = k2, u2, g2, live2
     return S
 
 
