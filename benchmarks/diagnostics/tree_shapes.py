@@ -36,7 +36,9 @@ SHAPES = {  # name -> generate() options
     "tree-k4-d8-n16": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16),
     "tree-k4-d6-n16": dict(route="tree", tree_topk=4, tree_depth=6, tree_budget=16),
     "tree-k4-d7-n16": dict(route="tree", tree_topk=4, tree_depth=7, tree_budget=16),
+    "tree-k4-d9-n16": dict(route="tree", tree_topk=4, tree_depth=9, tree_budget=16),
     "tree-k4-d10-n16": dict(route="tree", tree_topk=4, tree_depth=10, tree_budget=16),
+    "tree-k4-d12-n16": dict(route="tree", tree_topk=4, tree_depth=12, tree_budget=16),
     "tree-k4-d8-n12": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=12),
     # the tree scores at the plain log-probabilities (the default tempers them: eagle.TREE_TEMPERATURE)
     "tree-k4-d8-n16-t1": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, tree_temperature=1.0),
