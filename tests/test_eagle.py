@@ -34,6 +34,7 @@ NEW = 64
 ROUTES = {"chain": dict(topk=1, depth=5), "tree": dict(topk=3, depth=4, budget=8, tau=4.0)}
 NARROW_TREE = dict(topk=3, depth=4, budget=8, tau=4.0, width=1,  # a chain with each depth's runners-up,
                    temperature=1.0)  # scored by the plain log-probabilities
+DEEP = {"chain": dict(topk=1, depth=12), "tree": dict(topk=4, depth=12, budget=16)}  # 12-deep drafts, as tree_shapes.py times
 
 
 def random_drafter(cfg: ModelConfig, seed: int, dtype=torch.float64) -> EagleDrafterModel:
@@ -50,7 +51,7 @@ def test_eagle_routes_equal_ar(seed):
     dm = random_drafter(cfg, seed)
     prompt = make_prompt(cfg, seed, 6 + seed % 5)
     ar_rows, _, ar_cache = Decoder(model).run(torch.tensor([prompt]), NEW)
-    for route, opts in [*ROUTES.items(), ("tree", NARROW_TREE)]:
+    for route, opts in [*ROUTES.items(), ("tree", NARROW_TREE), *DEEP.items()]:
         for delayed in (True, False):
             rows, res, cache = Decoder(model, EagleDrafter(dm, model, **opts), route, delayed=delayed).run(
                 torch.tensor([prompt]), NEW)
