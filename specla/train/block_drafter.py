@@ -57,6 +57,7 @@ from specla.model import GatedDeltaNet, Model
 from specla.ops.conv import naive as conv_ref
 from specla.ops.reader import naive as reader_ref
 from specla.precision import accumulation_dtype
+from specla.train.dist import finish
 from specla.train.drafter import ResponseBatches, ResponseSet
 from specla.train.loop import RunClock, optimizer_step, run_steps, save_checkpoint
 
@@ -456,6 +457,5 @@ def train_block_drafter(target_dir, out_dir, data, kind: str = "dspark", init_fr
             {"kind": kind, "stage": stage, "model_type": model.model_type, "config": dataclasses.asdict(model.cfg),
              "step": step, "train_seconds": train_seconds, "sequences_seen": seqs_seen, "total_steps": total_steps,
              "target": str(target_dir), "init_from": str(init_from) if init_from else None, **metrics}) + "\n")
-    if distributed:
-        torch.distributed.destroy_process_group()
+    finish(distributed)
     return summary

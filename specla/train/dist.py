@@ -27,3 +27,12 @@ def wrap(module: torch.nn.Module, dev: torch.device, distributed: bool) -> torch
     if not distributed:
         return module
     return torch.nn.parallel.DistributedDataParallel(module, device_ids=[dev.index] if dev.type == "cuda" else None)
+
+
+def finish(distributed: bool) -> None:
+    """End a run's process group once every rank is done: rank 0 exports after the last step
+    while the others are already finished, and a rank tearing its group down alone aborted once
+    on CPU ("terminate called without an active exception", gloo, test_torchrun_ddp_on_cpu)."""
+    if distributed:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

@@ -39,7 +39,7 @@ from specla.drafters.eagle import EagleConfig, EagleDrafterModel, load_drafter, 
 from specla.errors import InputError
 from specla.model import Model
 from specla.precision import accumulation_dtype
-from specla.train.dist import setup, wrap
+from specla.train.dist import finish, setup, wrap
 from specla.train.loop import RunClock, optimizer_step, run_steps, save_checkpoint
 
 
@@ -496,6 +496,5 @@ def train_drafter(target_dir, out_dir, data, total_steps: int | None = None, tot
             {"config": dataclasses.asdict(cfg), "step": step, "train_seconds": train_seconds,
              "sequences_seen": seqs_seen, "total_steps": total_steps, "target": str(target_dir),
              "unroll": unroll, **metrics}) + "\n")
-    if distributed:
-        torch.distributed.destroy_process_group()
+    finish(distributed)
     return summary

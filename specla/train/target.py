@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from specla.config import ModelConfig
 from specla.model import Model
-from specla.train.dist import setup, wrap
+from specla.train.dist import finish, setup, wrap
 from specla.train.loop import RunClock, optimizer_step, run_steps, save_checkpoint
 
 def demo_config(tokenizer) -> ModelConfig:
@@ -184,6 +184,5 @@ def train_target(out_dir, corpus_dir, tokenizer_dir, config: ModelConfig | None 
         for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             if (Path(tokenizer_dir) / f).is_file():
                 shutil.copy(Path(tokenizer_dir) / f, export / f)
-    if distributed:
-        torch.distributed.destroy_process_group()
+    finish(distributed)
     return summary
