@@ -415,6 +415,25 @@ def test_collect_responses(tmp_path):
         sorted(tuple(data.sequence(i).tolist()) for i in range(5))
 
 
+def test_held_out_gsm8k_is_what_training_prompts_leaves(tmp_path):
+    """`held_out_gsm8k` names exactly the GSM8K training questions a collection did not pick."""
+    import lzma
+
+    from specla.data.suites import load_gsm8k_train
+    from specla.train.drafter import held_out_gsm8k, training_prompts
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    with lzma.open(corpus / "train.jsonl.xz", "wt") as f:
+        f.write(json.dumps({"source": "pydocs", "id": "d", "text": "<|bos|>text<|eos|>"}) + "\n")
+    questions = [q["question"] for q in load_gsm8k_train()]
+    for n_prompts, share, seed in ((16384, 0.45, 0), (2000, 1.0, 3)):
+        picked = {t[0]["content"] for src, t in training_prompts(corpus, n_prompts, share, seed) if src == "gsm8k"}
+        left = held_out_gsm8k(n_prompts, share, seed)
+        assert len(picked) + len(left) == len(questions)
+        assert not picked & {questions[i] for i in left}
+
+
 def test_sampling_is_lossless():
     """Deterministic top-k proposals are point masses: sampled output follows the target's law."""
     from specla.decode import Sampling

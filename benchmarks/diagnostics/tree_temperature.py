@@ -19,18 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 
-import numpy as np
-
 import specla.api as api
 from specla.bench.common import environment
 from specla.data.suites import load_gsm8k_train
+from specla.train.drafter import held_out_gsm8k
 
-
-
-def held_out(questions: list, n_gsm: int = 7373, seed: int = 0) -> list[int]:
-    """Indices of the GSM8K training questions `train.drafter.training_prompts` leaves out at its
-    defaults (its first draw: a permutation of the questions, the first n_gsm taken)."""
-    return sorted(np.random.default_rng(seed).permutation(len(questions))[n_gsm:].tolist())
 
 
 def main():
@@ -47,7 +40,7 @@ def main():
 
     lm = api.load(device=a.device, dtype=a.dtype)
     questions = load_gsm8k_train()
-    picked = held_out(questions)[:a.n_prompts]
+    picked = held_out_gsm8k()[:a.n_prompts]
     prompts = [[{"role": "user", "content": questions[i]["question"]}] for i in picked]
     runs = [(f"chain{n}" if n != "8" else "chain", dict(route="chain", chain_length=int(n)))
             for n in a.chains.split(",")]

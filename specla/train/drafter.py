@@ -59,7 +59,30 @@ def opening_turns(text: str) -> list[dict]:
     return turns if any(t["role"] == "user" for t in turns) else []
 
 
-def training_prompts(corpus_dir, n_prompts: int, gsm8k_share: float = 0.45, seed: int = 0) -> list[tuple[str, list[dict]]]:
+# the shipped drafter's data: every ShareGPT opener of the reference corpus but 26, and 7,373
+# of GSM8K's 7,473 training questions
+N_PROMPTS = 16384
+GSM8K_SHARE = 0.45
+
+
+def _gsm8k_split(n_questions: int, n_gsm: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    """(picked, left out) GSM8K training-question indices: the first draw of `training_prompts`'
+    generator, so `held_out_gsm8k` names exactly the questions a collection did not use."""
+    order = rng.permutation(n_questions)
+    return order[:n_gsm], order[n_gsm:]
+
+
+def held_out_gsm8k(n_prompts: int = N_PROMPTS, gsm8k_share: float = GSM8K_SHARE, seed: int = 0) -> list[int]:
+    """Indices (ascending) of the GSM8K training questions `training_prompts` leaves out: held-out
+    prompts for measuring a drafter trained on that data."""
+    from specla.data.suites import load_gsm8k_train
+
+    _, left = _gsm8k_split(len(load_gsm8k_train()), round(n_prompts * gsm8k_share), np.random.default_rng(seed))
+    return sorted(left.tolist())
+
+
+def training_prompts(corpus_dir, n_prompts: int, gsm8k_share: float = GSM8K_SHARE,
+                     seed: int = 0) -> list[tuple[str, list[dict]]]:
     """(source, turns) for n_prompts prompts: the opening turns of ShareGPT conversations from
     the corpus training split and GSM8K training questions, a seeded sample of each, shuffled
     together. Only a conversation's first chunk (id suffix _0) counts: later chunks open
@@ -68,10 +91,9 @@ def training_prompts(corpus_dir, n_prompts: int, gsm8k_share: float = 0.45, seed
     from specla.data.suites import load_gsm8k_train
 
     rng = np.random.default_rng(seed)
-    n_gsm = round(n_prompts * gsm8k_share)
     gsm = load_gsm8k_train()
-    picked = [("gsm8k", [{"role": "user", "content": gsm[i]["question"]}])
-              for i in rng.permutation(len(gsm))[:n_gsm]]
+    gsm_idx, _ = _gsm8k_split(len(gsm), round(n_prompts * gsm8k_share), rng)
+    picked = [("gsm8k", [{"role": "user", "content": gsm[i]["question"]}]) for i in gsm_idx]
     chats = [t for r in iter_records(corpus_dir, "train")
              if r["source"] == "sharegpt" and _CHUNK.search(r["id"]).group(1) in (None, "0")
              for t in [opening_turns(r["text"])] if t]
@@ -258,8 +280,8 @@ class ResponseBatches:
         return torch.from_numpy(tokens), torch.from_numpy(valid)
 
 
-def collect_responses(target_dir, out_file, n_prompts: int = 16384, max_new_tokens: int = 256,
-                      corpus_dir=".corpus", gsm8k_share: float = 0.45, max_prompt_tokens: int = 384,
+def collect_responses(target_dir, out_file, n_prompts: int = N_PROMPTS, max_new_tokens: int = 256,
+                      corpus_dir=".corpus", gsm8k_share: float = GSM8K_SHARE, max_prompt_tokens: int = 384,
                       batch_size: int = 512, max_cut: int = 16, seed: int = 0, device: str = "auto", dtype: str = "auto",
                       max_minutes: float | None = None, graphs: bool = False, shard: tuple[int, int] = (0, 1),
                       progress: bool = True) -> dict:
