@@ -362,3 +362,20 @@ def ResponseSetPrompt(path):
 
     d = ResponseSet(path)
     return torch.tensor([d.sequence(0)[:int(d.prompt_len[0])].tolist()])
+
+
+@pytest.mark.parametrize("kind", ["eagle", "dspark"])
+def test_drafter_training_under_torchrun_on_cpu(tmp_path, kind):
+    """`specla train drafter` under torchrun: two processes (gloo on CPU) share each step's batch."""
+    from test_eagle import _response_data
+    from test_train_target import torchrun
+
+    _response_data(tmp_path)
+    run = tmp_path / "run"
+    block = ["--anchors", "4"] if kind != "eagle" else ["--unroll", "2"]
+    torchrun(["train", "drafter", "--target", str(tmp_path / "target"), "--data", str(tmp_path / "data.npz"),
+              "--out", str(run), "--kind", kind, "--total-steps", "3", "--batch-size", "2", "--seq-len", "48", *block])
+    log = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
+    assert log[0]["world"] == 2 and log[0]["batch_size"] == 4
+    end = json.loads((run / "export" / "training_state.json").read_text())
+    assert end["step"] == 3 and end["sequences_seen"] == 3 * 4

@@ -72,24 +72,29 @@ def test_chunked_training_form_matches_recurrence():
     assert torch.autograd.gradcheck(lambda *a: gdn_train(*a, 0.3, chunk=4), args)
 
 
-def test_torchrun_ddp_on_cpu(tmp_path):
-    """The same command under torchrun: two processes (gloo on CPU) train one model in lockstep."""
+def torchrun(args: list[str]) -> None:
+    """`specla ARGS` as two processes under torchrun (gloo on CPU); fails with the ranks' errors."""
     import subprocess
     import sys
 
+    # --standalone: a free rendezvous port, so parallel test runs on one host cannot collide
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "specla.cli", *args, "--device", "cpu"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    # a rank that aborts says why early in stderr; torchrun's summary is at the end
+    why = [line for line in r.stderr.splitlines() if "rror" in line or "terminate" in line or "abort" in line]
+    assert r.returncode == 0, "\n".join(why[:20]) + "\n...\n" + r.stderr[-1500:]
+
+
+def test_torchrun_ddp_on_cpu(tmp_path):
+    """The same command under torchrun: two processes (gloo on CPU) train one model in lockstep."""
     corpus = _corpus(tmp_path / "corpus")
     cfg = tmp_path / "cfg.json"
     cfg.write_text(json.dumps(dict(vocab_size=8192, hidden_size=16, num_hidden_layers=1, intermediate_size=32,
                                    num_heads=1, num_v_heads=1, head_dim=8, head_v_dim=8, tie_word_embeddings=True)))
     run = tmp_path / "run"
-    # --standalone: a free rendezvous port, so parallel test runs on one host cannot collide
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "specla.cli", "train", "target", "--out", str(run), "--corpus", str(corpus), "--config", str(cfg),
-           "--total-steps", "4", "--batch-size", "2", "--seq-len", "16", "--device", "cpu"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    # a rank that aborts says why early in stderr; torchrun's summary is at the end
-    why = [line for line in r.stderr.splitlines() if "rror" in line or "terminate" in line or "abort" in line]
-    assert r.returncode == 0, "\n".join(why[:20]) + "\n...\n" + r.stderr[-1500:]
+    torchrun(["train", "target", "--out", str(run), "--corpus", str(corpus), "--config", str(cfg),
+              "--total-steps", "4", "--batch-size", "2", "--seq-len", "16"])
     start = json.loads((run / "train_log.jsonl").read_text().splitlines()[0])
     assert start["world"] == 2 and start["batch_size"] == 4
     assert load_model(run / "export").cfg.hidden_size == 16

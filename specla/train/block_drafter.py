@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from pathlib import Path
 
@@ -57,7 +56,7 @@ from specla.model import GatedDeltaNet, Model
 from specla.ops.conv import naive as conv_ref
 from specla.ops.reader import naive as reader_ref
 from specla.precision import accumulation_dtype
-from specla.train.dist import finish
+from specla.train.dist import finish, setup, wrap
 from specla.train.drafter import ResponseBatches, ResponseSet
 from specla.train.loop import RunClock, optimizer_step, run_steps, save_checkpoint
 
@@ -322,16 +321,7 @@ def train_block_drafter(target_dir, out_dir, data, kind: str = "dspark", init_fr
     t_start = time.time()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
-    rank, world = 0, 1
-    if distributed:
-        torch.distributed.init_process_group("nccl")
-        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-        dev = torch.device("cuda", torch.cuda.current_device())
-    else:
-        dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                           ("cpu" if device == "auto" else device))
+    dev, rank, world, distributed = setup(device)
     main = rank == 0
     target = load_model(target_dir, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
     target.requires_grad_(False)
@@ -383,7 +373,7 @@ def train_block_drafter(target_dir, out_dir, data, kind: str = "dspark", init_fr
     step, train_seconds, seqs_seen = counters["step"], counters["train_seconds"], counters["sequences_seen"]
     total_steps = total_steps or counters["total_steps"]
     loss_fn = BlockLoss(model, step_decay, tv_weight, conf_weight)
-    net = nn.parallel.DistributedDataParallel(loss_fn, device_ids=[dev.index]) if distributed else loss_fn
+    net = wrap(loss_fn, dev, distributed)
 
     dataset = ResponseSet(data)
     train_idx, val_idx = dataset.split(val_fraction, seed)
