@@ -40,7 +40,9 @@ def generate(
     tree_topk: int = typer.Option(4, "--tree-topk", help="Children per node in draft trees."),
     tree_budget: int = typer.Option(16, "--tree-budget", help="Draft nodes per tree round."),
     tree_depth: int = typer.Option(8, "--tree-depth", help="Deepest draft-tree level (trained drafter); "
-                                   "8 matches the chain length (held-out training prompts: tau 5.33 vs 4.89 at 6)."),
+                                   "8 matches the chain length. Deeper trees accept more a round (demo pair, held-out "
+                                   "prompts, CPU: 6.65 tokens at 8, 7.33 at 10, 7.72 at 12) for one drafter "
+                                   "forward a level."),
     tree_width: Optional[int] = typer.Option(None, "--tree-width", help="Beams kept a draft-tree depth (trained "
                                              "drafter; default: the top-k). 1: a chain with each depth's "
                                              "runners-up as leaves."),

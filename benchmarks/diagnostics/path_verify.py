@@ -74,9 +74,11 @@ def cases(b: Bench, tiling: dict) -> dict:
     return out
 
 
-def measure(b: Bench, tiling: dict) -> dict:
+def measure(b: Bench, tiling: dict, names=None) -> dict:
     res = {}
     for name, fn in cases(b, tiling).items():
+        if names is not None and name not in names:
+            continue
         per = 1 if name == "path_tables" else b.layers
         # the path verifier's plan is cached on the parents tensor and rebuilt by the capture's
         # eager warm-up, so each graph holds its own table launch, once (as a round does)
@@ -88,6 +90,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--paper", action="store_true", help="also the paper's shape (H = HV = 8, 256)")
+    ap.add_argument("--tilings", default=None,
+                    help="BV,WARPS pairs joined by ':' (e.g. 8,1:16,4:32,4:64,4): time the chain and path "
+                         "cases at each tiling too (default: the verify tiling only); a path program per "
+                         "64-wide tile is a quarter of the programs of 16-wide ones")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -96,6 +102,8 @@ def main(argv=None) -> int:
     shapes = {"demo": (4, 4, 64, 64)} | ({"paper": (8, 8, 256, 256)} if a.paper else {})
     if not cuda:  # the interpreter: a tiny shape, two layers, one eager call each (no timing)
         shapes, a.layers, tiling = {"tiny": (2, 2, 16, 16)}, 2, {"block_v": 8, "num_warps": 1}
+    sweep = [dict(zip(("block_v", "num_warps"), map(int, t.split(",")))) for t in a.tilings.split(":")] \
+        if a.tilings else []
     rows = []
     for shape, (H, HV, K, V) in shapes.items():
         b = Bench(dev, H, HV, K, V, a.layers, torch.bfloat16 if cuda else torch.float32, not cuda)
@@ -105,6 +113,11 @@ def main(argv=None) -> int:
             print(f"{shape}: " + ", ".join(f"{k} {v:.2f}" for k, v in us.items()) + " µs a layer")
         else:
             print(f"{shape}: ran {', '.join(us)} (interpreter: no timing)")
+        for t in sweep:
+            us = measure(b, t, names=("chain9", "paths_chain9", "paths_tree"))
+            rows.append({"shape": shape, "H": H, "HV": HV, "K": K, "V": V, "tiling": t, "us_per_layer": us})
+            print(f"{shape} at BV {t['block_v']}, {t['num_warps']} warps: " + (
+                ", ".join(f"{k} {v:.2f}" for k, v in us.items()) + " µs a layer" if cuda else f"ran {', '.join(us)}"))
     if a.out and cuda:
         with open(a.out, "w") as f:
             json.dump({**environment(), "layers": a.layers, "rows": rows}, f, indent=1)
