@@ -473,3 +473,29 @@ def test_path_verify_diagnostic_tree_is_what_it_says():
     assert all(p < j for j, p in enumerate(mod.TREE)) and len(mod.TREE) == 17
     _, length, leaves = schedule.path_tables(torch.tensor([mod.TREE]))
     assert int(leaves[0]) == 8 and int(length.max()) == len(mod.CHAIN9) == 9
+
+
+def test_tree_policy_replay_is_the_decode_loop():
+    """tree_policy.py's premise: replaying the route's own selection over teacher-forced rollouts
+    gives the tree route's rounds exactly (demo pair, fp32, CPU; depth 8 and 12 from one pool)."""
+    import importlib.util
+    from pathlib import Path
+
+    import specla.api as api
+    from specla.drafters import tree
+    from specla.drafters.eagle import EagleDrafter, find_drafter, load_drafter
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks/diagnostics/tree_policy.py"
+    spec = importlib.util.spec_from_file_location("tree_policy", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    lm = api.load(device="cpu", dtype="float32")
+    drafter = EagleDrafter(load_drafter(find_drafter(lm.model_dir), lm.model), lm.model, topk=mod.TOPK,
+                           depth=mod.DEPTH, width=mod.WIDTH, temperature=mod.T_ROLL)
+    prompt = "Natalia sold clips to 48 of her friends in April. How many did she sell in May?"
+    pools = mod.pools_of(lm, drafter, lm.encode_prompt(prompt), 40)
+    depth = tree.pool_depths(pools[0][0].shape[0], mod.TOPK, mod.WIDTH, "cpu")[0]
+    for d in (8, 12):
+        g = lm.generate(prompt, route="tree", tree_depth=d, max_new_tokens=40)
+        tokens, rounds = mod.replay(pools, lambda pool: mod.by_score(pool[2], pool[1], depth, 16, d))
+        assert (tokens, rounds) == (len(g.tokens), g.rounds) and rounds < tokens

@@ -1,0 +1,213 @@
+"""Which draft nodes a tree should keep: selection policies replayed offline on the demo pair.
+
+A greedy round's outcome depends only on where it starts: every accepted token is AR's, so the
+drafter's state after consuming x_0..x_t is the same whatever rounds led there. This runs AR
+once per prompt, then the drafter's full beam rollout (top-4, width 4, depth 12) at *every*
+position of the continuation (teacher-forced: extend one token, roll out, extend the next),
+and labels each pool node correct when its path spells AR's next tokens. A selection policy is
+then a function from a pool to kept nodes, and its tokens a round come from replaying the
+decode loop over the stored pools (a round at t keeps nodes, accepts the correct ones among
+them, emits one token more and moves on) — seconds a policy instead of a decode run each.
+
+Policies (each keeps at most BUDGET nodes, ancestor-closed, up to DEPTH):
+- `q@T`: the route's rule (`drafters.tree.build`): the best nodes by the cumulative tempered
+  log-probability q at temperature T;
+- `calibrated`: the best nodes by the product of fitted per-node acceptance probabilities
+  P(v correct | its parent correct), a logistic model of the node's own tempered log-probability,
+  its rank among its siblings, its depth and its parent's log-probability, fitted on the first
+  half of the prompts and scored on the second (and the reverse: every prompt is scored by a
+  model that never saw it);
+- `oracle`: everything the rollout proposed up to DEPTH (no budget): the bound any selection of
+  this rollout has.
+
+The route's rule replayed this way gives exactly the tokens a round of decode runs on the same
+prompts (60 held-out GSM8K training questions: 6.646 / 7.330 / 7.718 at depth 8 / 10 / 12, as
+`tree_temperature_0a05543_cpu.json` and `tree_depths_59647fb_cpu.json` measured by decoding).
+What it found (`tree_policy_*_cpu.json`): the fitted acceptance model keeps worse nodes (6.60 /
+7.22 / 7.53), and so does any bonus or penalty for depth on q; and at depth 8 even every node
+the rollout proposes (116) would accept 7.35 tokens a round, 1.27x the 8-token chain's 5.78 —
+selection cannot reach the drafter issue's 1.3x there; depth 12 does (7.72 with the route's own
+rule, 1.34x). CPU, fp32:
+
+    python benchmarks/diagnostics/tree_policy.py [--n-prompts 60] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import specla.api as api
+from specla.bench.common import environment
+from specla.data.suites import load_gsm8k_train
+from specla.decode import Decoder
+from specla.drafters import tree
+from specla.drafters.eagle import EagleDrafter, find_drafter, load_drafter
+from specla.train.drafter import held_out_gsm8k
+
+TOPK, WIDTH, DEPTH, T_ROLL = 4, 4, 12, 0.5
+
+
+def pools_of(lm, drafter: EagleDrafter, ids: list[int], new: int):
+    """For every round start t of AR's continuation of ids up to `new` tokens or its EOS (x_0..x_t
+    consumed, the root x_t+1 known), the rollout's pool: (tokens [P], parents [P], q [P],
+    correct [P] bool); one pool a token generated."""
+    model = lm.model
+    cont = Decoder(model).run(torch.tensor([ids]), new + DEPTH + 1)[0][0]
+    eos = lm.tokenizer.eos_token_ids | set(model.cfg.eos_token_id)
+    # generation stops at the end of the answer, as the decode loop does (the EOS token counts)
+    new = next((i + 1 for i, x in enumerate(cont[:new]) if x in eos), new)
+    seq = torch.tensor([ids + cont])
+    T = len(ids)
+    out = model(seq, model.new_cache(1), drafter.capture)
+    drafter.reset(1)
+    drafter.extend(seq[:, :T - 1], {i: h[:, :T - 1] for i, h in out.hidden.items()}, torch.tensor([T - 1]))
+    pools = []
+    depth = tree.pool_depths(TOPK + (DEPTH - 1) * WIDTH * TOPK, TOPK, WIDTH, "cpu")[0]
+    for t in range(T - 2, T - 2 + new):
+        drafter._reserve(drafter.entries)
+        W = drafter._window()
+        tok, par, q = (x[0] for x in drafter.rollout(seq[:, t + 1], drafter.k[:, :, :W], drafter.v[:, :, :W]))
+        want = seq[0, t + 2:t + 2 + DEPTH]
+        tl, pl, wl, dl = tok.tolist(), par.tolist(), want.tolist(), depth.tolist()
+        ok: list[bool] = []
+        for i in range(len(tl)):  # parents come first: a node is correct when its parent is
+            ok.append(tl[i] == wl[dl[i] - 1] and (pl[i] < 0 or ok[pl[i]]))
+        pools.append((tok, par, q.float(), torch.tensor(ok)))
+        drafter.extend(seq[:, t + 1:t + 2], {i: h[:, t + 1:t + 2] for i, h in out.hidden.items()}, torch.tensor([1]))
+    return pools
+
+
+def replay(pools, keep) -> tuple[int, int]:
+    """(tokens, rounds) of the decode loop over the stored pools with selection `keep(pool)`
+    -> kept indices; a round accepts the kept correct nodes (a path) and emits one more."""
+    new = len(pools)
+    t = tokens = rounds = 0
+    while tokens < new:
+        tok, par, q, correct = pools[t]
+        kept = keep(pools[t])
+        a = int(correct[kept].sum()) if len(kept) else 0
+        tokens += a + 1
+        rounds += 1
+        t += a + 1
+        if t >= len(pools):
+            break
+    return min(tokens, new), rounds
+
+
+def by_score(score: torch.Tensor, par: torch.Tensor, depth: torch.Tensor, budget: int, max_depth: int):
+    """The `budget` best nodes by score among those up to max_depth, each with its ancestors
+    (`tree.select`, no window)."""
+    live = depth <= max_depth
+    idx = torch.nonzero(live)[:, 0]
+    s = score[idx].tolist()
+    p = [int(x) for x in par[idx].tolist()]  # the pool's prefix: parent indices stay valid
+    return idx[torch.tensor(tree.select(s, p, budget), dtype=torch.long)] if s else idx
+
+
+def features(q: torch.Tensor, par: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """Per node: its own tempered log-probability, its rank among its siblings (one-hot), its
+    depth, and its parent's own log-probability (0 at the root's children)."""
+    up = par.clamp(min=0)
+    own = q - torch.where(par >= 0, q[up], 0.0)
+    parent_own = torch.where(par >= 0, own[up], 0.0)
+    rank = torch.nn.functional.one_hot(torch.arange(q.shape[0]) % TOPK, TOPK).float()
+    return torch.cat([own[:, None], rank, depth[:, None].float() / DEPTH, parent_own[:, None]], 1)
+
+
+def fit(pools, depth: torch.Tensor, max_depth: int) -> torch.nn.Module:
+    """Logistic P(correct | parent correct) over the pools' nodes whose parent is correct."""
+    X, y = [], []
+    for tok, par, q, correct in (p for prompt in pools for p in prompt):
+        parent_ok = torch.where(par >= 0, correct[par.clamp(min=0)], torch.ones_like(correct))
+        m = parent_ok & (depth <= max_depth)
+        X.append(features(q, par, depth)[m])
+        y.append(correct[m].float())
+    X, y = torch.cat(X), torch.cat(y)
+    lin = torch.nn.Linear(X.shape[1], 1, dtype=torch.float32)
+    opt = torch.optim.LBFGS(lin.parameters(), max_iter=200)
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(lin(X)[:, 0], y)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    return lin
+
+
+def calibrated_keep(lin, depth, budget, max_depth):
+    def keep(pool):
+        tok, par, q, correct = pool
+        with torch.no_grad():
+            logp = torch.nn.functional.logsigmoid(lin(features(q, par, depth))[:, 0])
+        path = logp.clone()
+        for i in range(path.shape[0]):  # parents first
+            if par[i] >= 0:
+                path[i] = path[i] + path[par[i]]
+        return by_score(path, par, depth, budget, max_depth)
+    return keep
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n-prompts", type=int, default=60)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--budget", type=int, default=16)
+    ap.add_argument("--depths", default="8,10,12")
+    ap.add_argument("--pools", default=None, help="a .pt file: load the pools from it when it exists, else "
+                    "save them there (the rollouts are most of the time; the policies take seconds)")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+
+    lm = api.load(device="cpu", dtype="float32")
+    drafter = EagleDrafter(load_drafter(find_drafter(lm.model_dir), lm.model), lm.model, topk=TOPK, depth=DEPTH,
+                           width=WIDTH, temperature=T_ROLL)
+    questions = load_gsm8k_train()
+    picked = held_out_gsm8k()[:a.n_prompts]
+    if a.pools and Path(a.pools).is_file():
+        all_pools = torch.load(a.pools)[:a.n_prompts]
+    else:
+        all_pools = []
+        for i in tqdm(picked, desc="rollouts", unit="prompt"):
+            ids = lm.encode_prompt([{"role": "user", "content": questions[i]["question"]}])
+            all_pools.append(pools_of(lm, drafter, ids, a.max_new_tokens))
+        if a.pools:
+            torch.save(all_pools, a.pools)
+    P = all_pools[0][0][0].shape[0]
+    depth = tree.pool_depths(P, TOPK, WIDTH, "cpu")[0]
+    half = len(all_pools) // 2
+    folds = (all_pools[:half], all_pools[half:])
+    rows = []
+
+    def run(name, keeps, **kw):
+        """keeps: one selection per fold (the calibrated model is fitted on the other fold)."""
+        tokens = rounds = 0
+        for fold, keep in zip(folds, keeps):
+            for pools in fold:
+                tk, r = replay(pools, keep)
+                tokens, rounds = tokens + tk, rounds + r
+        rows.append({"policy": name, **kw, "tokens_per_round": tokens / rounds})
+        print(json.dumps(rows[-1]), flush=True)
+
+    for D in (int(x) for x in a.depths.split(",")):
+        k = (lambda pool, D=D: by_score(pool[2], pool[1], depth, a.budget, D))
+        run(f"q@{T_ROLL}", (k, k), depth=D, budget=a.budget)
+        models = [fit(folds[1], depth, D), fit(folds[0], depth, D)]  # each fold scored by the other's fit
+        run("calibrated", [calibrated_keep(m, depth, a.budget, D) for m in models], depth=D, budget=a.budget)
+        every = (lambda pool, D=D: torch.nonzero(depth <= D)[:, 0])
+        run("oracle", (every, every), depth=D, budget=None)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({**environment(), "prompts": f"GSM8K train questions left out of the drafter's data: {picked}",
+                       "rollout": {"topk": TOPK, "width": WIDTH, "depth": DEPTH, "temperature": T_ROLL},
+                       "max_new_tokens": a.max_new_tokens, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
