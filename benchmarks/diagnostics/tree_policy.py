@@ -17,6 +17,7 @@ Policies (each keeps at most BUDGET nodes, ancestor-closed, up to DEPTH):
   its rank among its siblings, its depth and its parent's log-probability, fitted on the first
   half of the prompts and scored on the second (and the reverse: every prompt is scored by a
   model that never saw it);
+- `q + b*depth`: the route's q with a bonus (b > 0) or penalty per depth;
 - `oracle`: everything the rollout proposed up to DEPTH (no budget): the bound any selection of
   this rollout has.
 
@@ -160,6 +161,8 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--budget", type=int, default=16)
     ap.add_argument("--depths", default="8,10,12")
+    ap.add_argument("--depth-bonus", default="-0.5,-0.25,0.25,0.5",
+                    help="also rank by q + b*depth for each b (comma-separated; '' for none)")
     ap.add_argument("--pools", default=None, help="a .pt file: load the pools from it when it exists, else "
                     "save them there (the rollouts are most of the time; the policies take seconds)")
     ap.add_argument("--out", default=None)
@@ -198,6 +201,9 @@ def main():
     for D in (int(x) for x in a.depths.split(",")):
         k = (lambda pool, D=D: by_score(pool[2], pool[1], depth, a.budget, D))
         run(f"q@{T_ROLL}", (k, k), depth=D, budget=a.budget)
+        for beta in (float(x) for x in a.depth_bonus.split(",") if x):
+            k = (lambda pool, D=D, beta=beta: by_score(pool[2] + beta * depth, pool[1], depth, a.budget, D))
+            run(f"q@{T_ROLL} + {beta}*depth", (k, k), depth=D, budget=a.budget, depth_bonus=beta)
         models = [fit(folds[1], depth, D), fit(folds[0], depth, D)]  # each fold scored by the other's fit
         run("calibrated", [calibrated_keep(m, depth, a.budget, D) for m in models], depth=D, budget=a.budget)
         every = (lambda pool, D=D: torch.nonzero(depth <= D)[:, 0])
