@@ -118,6 +118,8 @@ def bench_e2e(
     summary_only: bool = typer.Option(False, "--summary-only", help="Only summarise the records found."),
     compile: Optional[str] = typer.Option(None, "--compile", help="default | max-autotune: the fused decode path "
                                           "(SPECLA_COMPILE=1 does the same)."),
+    tree_depth: int = typer.Option(8, "--tree-depth", help="The tree route's deepest level (16 nodes of top-4 "
+                                   "beams at any depth); a run resumes only with the options it began with."),
     out: Path = typer.Option(Path("benchmarks/results")),
 ):
     """End-to-end speedup, accepted length, first-token match and exact match on real prompts (Fig 9)."""
@@ -133,7 +135,7 @@ def bench_e2e(
         raise InputError(f"--shard {shard!r}: expected K/N with 0 <= K < N") from None
     run(model, tuple(suites.split(",")), tuple(routes.split(",")), limit=limit, fla_limit=fla_limit,
         max_new_tokens=max_new_tokens, device=device, dtype=dtype, out_dir=out, name=name, max_minutes=max_minutes,
-        shard=(k, n), summary_only=summary_only, compile=compile)
+        shard=(k, n), summary_only=summary_only, compile=compile, tree_depth=tree_depth)
 
 
 @bench_app.command("rounds")

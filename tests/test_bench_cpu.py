@@ -191,6 +191,23 @@ def test_e2e_shards_resume_and_summary(tmp_path, capsys):
     assert {r["id"] for r in lines if r["suite"] == "gsm8k"} == {p.id for p in load_suite("gsm8k", limit=3)}
 
 
+def test_e2e_tree_depth_is_recorded_and_kept_on_resume(tmp_path):
+    """`bench e2e --tree-depth`: each record keeps its route's options, the summary names them,
+    and a run does not resume records made with other options (they would mix in one row)."""
+    from specla.bench import e2e
+    from specla.errors import InputError
+
+    kw = dict(suites=("gsm8k",), routes=("ar", "tree"), limit=1, max_new_tokens=6, device="cpu", dtype="float32",
+              out_dir=tmp_path)
+    res = e2e.run(**kw, tree_depth=3)
+    assert res["route_options"]["tree"]["tree_depth"] == 3 and res["suites"]["gsm8k"]["tree"]["prompts"] == 1
+    recs = [json.loads(x) for x in (tmp_path / "e2e.records.jsonl").read_text().splitlines()]
+    assert {r["options"]["tree_depth"] for r in recs if r["route"] == "tree"} == {3}
+    with pytest.raises(InputError, match="--name"):
+        e2e.run(**kw)  # the default depth, 8
+    assert e2e.run(**kw, summary_only=True)["route_options"]["tree"]["tree_depth"] == 3
+
+
 def test_ready_bench_summary_has_paired_intervals(tmp_path):
     """Quick ReaDy bench on CPU (random drafters), then the summary recomputed from its log:
     every row carries 95% intervals and the paired ReaDy / DSpark ratios bracket their value."""

@@ -32,6 +32,7 @@ import torch
 from specla import graphs
 from specla.bench.common import RESULTS, bootstrap, environment, timed_captures, warm_set, write_results
 from specla.drafters.eagle import TREE_TEMPERATURE
+from specla.errors import InputError
 
 BASE_ROUTES = ("ar", "fla", "chain", "tree", "ngram", "dspark", "ready")
 ROUTES = BASE_ROUTES + tuple(f"{r}+exact" for r in BASE_ROUTES if r != "fla")
@@ -39,15 +40,18 @@ SUITES = ("mixed", "gsm8k", "humaneval")
 EXACT = "+exact"
 
 
-def _route_kwargs(route: str) -> dict:
+def _route_kwargs(route: str, tree_depth: int = 8) -> dict:
+    """generate() options of a route; tree_depth: the trained drafter's tree route's (the budget
+    stays 16 nodes of top-4 beams at any depth)."""
     if route.endswith(EXACT):
-        return {**_route_kwargs(route[:-len(EXACT)]), "exact": True}
+        return {**_route_kwargs(route[:-len(EXACT)], tree_depth), "exact": True}
     return {
         "ar": dict(route="ar"),
         "fla": dict(route="fla", chain_length=8),
         "chain": dict(route="chain", chain_length=8),
         # the temperature named, so that a run's route_options say which ranked the nodes
-        "tree": dict(route="tree", tree_topk=4, tree_budget=16, tree_depth=8, tree_temperature=TREE_TEMPERATURE),
+        "tree": dict(route="tree", tree_topk=4, tree_budget=16, tree_depth=tree_depth,
+                     tree_temperature=TREE_TEMPERATURE),
         "ngram": dict(route="tree", drafter="ngram", tree_topk=4, tree_budget=16),
         "dspark": dict(route="dspark", chain_length=7),  # block drafters: 7 tokens in one forward (docs/ready.md)
         "ready": dict(route="ready", chain_length=7),
@@ -203,17 +207,26 @@ def _work(suites, routes, limit, fla_limit, shard):
                         yield i, suite, prompts[suite][i], route
 
 
+def _recorded_options(records: dict, route: str) -> list[dict]:
+    """The generate() options a route's records were made with (records from before they were
+    recorded count as the default options)."""
+    seen = {json.dumps(r.get("options", _route_kwargs(route)), sort_keys=True)
+            for s in records.values() for r in s.get(route, {}).values()}
+    return [json.loads(v) for v in sorted(seen)]
+
+
 def summarise(out_dir, name: str, suites, routes, max_new_tokens: int, complete: bool, extra=None) -> dict:
     """Summary over every record found (all shards); writes <name>.json and <name>.png."""
     out_dir = Path(out_dir)
     records = _load_records(out_dir, name)
+    options = {r: _recorded_options(records, r) for r in routes}
     def found(key):  # every value of `key` across the records (JSON-encoded, so dicts compare)
         return [json.loads(v) for v in sorted({json.dumps(r.get(key), sort_keys=True) for s in records.values()
                                                for rt in s.values() for r in rt.values()} - {"null"})]
 
     devices, dtypes = found("device"), found("dtype")
     result = {"max_new_tokens": max_new_tokens, "complete": complete, **(extra or {}),
-              "route_options": {r: _route_kwargs(r) for r in routes},
+              "route_options": {r: o[0] if len(o) == 1 else o for r, o in options.items() if o},
               "suites": {s: {r: _summarise(records.get(s, {}), r) for r in routes if r != "ar"} for s in suites}}
     if devices:
         result["device"] = devices[0] if len(devices) == 1 else devices
@@ -283,9 +296,10 @@ def _print(result: dict) -> None:
 def run(model_dir=None, suites=SUITES, routes=BASE_ROUTES, limit: int | None = None, fla_limit: int = 160,
         max_new_tokens: int = 128, device: str = "auto", dtype: str = "auto", out_dir=RESULTS,
         name: str = "e2e", max_minutes: float | None = None, shard: tuple[int, int] = (0, 1),
-        summary_only: bool = False, compile: str | None = None) -> dict:
+        summary_only: bool = False, compile: str | None = None, tree_depth: int = 8) -> dict:
     """Generate what is not yet recorded (this shard's prompts), then summarise every record.
-    summary_only: no generation (e.g. after shards ran on several GPUs or calls)."""
+    summary_only: no generation (e.g. after shards ran on several GPUs or calls). tree_depth:
+    the tree route's (`_route_kwargs`); a run resumes only records made with the same options."""
     from tqdm import tqdm
 
     import specla.api as api
@@ -293,6 +307,12 @@ def run(model_dir=None, suites=SUITES, routes=BASE_ROUTES, limit: int | None = N
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     records = _load_records(out_dir, name)
+    kwargs = {r: _route_kwargs(r, tree_depth) for r in routes}
+    for r in routes:
+        other = [o for o in _recorded_options(records, r) if o != kwargs[r]]
+        if other and not summary_only:
+            raise InputError(f"{out_dir / name}: the {r} records were made with {other[0]}, not {kwargs[r]}; "
+                             f"resume with the same options or use another --name")
     if summary_only:
         # complete when every shard's work is recorded; the measuring run's date, model and shard
         # stay (a summary written later on another machine is not a new measurement)
@@ -321,7 +341,7 @@ def run(model_dir=None, suites=SUITES, routes=BASE_ROUTES, limit: int | None = N
     for route in tqdm([r for r in routes if r in with_work], desc="warm-up (compile, autotune, capture)", unit="route"):
         t0 = time.perf_counter()
         for text in warm:
-            lm.generate(text, max_new_tokens=max_new_tokens, **_route_kwargs(route))
+            lm.generate(text, max_new_tokens=max_new_tokens, **kwargs[route])
         tqdm.write(f"warm-up {route}: {time.perf_counter() - t0:.1f} s ({len(warm)} prompts)")
     tqdm.write(f"loaded and warmed up in {time.time() - start:.0f} s; {len(todo)} generations to run")
     stopped = False
@@ -335,7 +355,7 @@ def run(model_dir=None, suites=SUITES, routes=BASE_ROUTES, limit: int | None = N
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             c0, t0 = graphs.captured(), time.perf_counter()
-            g = lm.generate(p.turns[0], max_new_tokens=max_new_tokens, **_route_kwargs(route))
+            g = lm.generate(p.turns[0], max_new_tokens=max_new_tokens, **kwargs[route])
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             rec = {"suite": suite, "route": route, "id": p.id, "seconds": time.perf_counter() - t0,
@@ -343,7 +363,7 @@ def run(model_dir=None, suites=SUITES, routes=BASE_ROUTES, limit: int | None = N
                    "prefill_seconds": g.prefill_seconds, "decode_seconds": g.decode_seconds, "tokens": g.tokens, "rounds": g.rounds,
                    "mean_accepted_length": g.mean_accepted_length,
                    "first_token_match": g.to_dict()["first_token_match"], "prompt_tokens": g.prompt_tokens,
-                   "device": device_name, "dtype": str(lm.model.dtype).replace("torch.", ""),
+                   "options": kwargs[route], "device": device_name, "dtype": str(lm.model.dtype).replace("torch.", ""),
                    "commit": env["commit"], "versions": env["versions"]}
             log.write(json.dumps(rec) + "\n")
             log.flush()
