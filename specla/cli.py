@@ -104,7 +104,8 @@ def bench_kernels(
 @bench_app.command("e2e")
 def bench_e2e(
     model: Optional[Path] = typer.Option(None, help="Checkpoint directory with drafter/ (default: the demo pair)."),
-    suites: str = typer.Option("mixed,gsm8k,humaneval"),
+    suites: str = typer.Option("mixed,gsm8k,humaneval", help="Comma-separated: mixed, gsm8k, humaneval, or a "
+                               "file of your prompts (.txt: one a line; .jsonl: 'prompt', 'turns' or 'messages')."),
     routes: str = typer.Option("ar,fla,chain,tree,ngram"),
     limit: Optional[int] = typer.Option(None, help="First N prompts of each suite."),
     fla_limit: int = typer.Option(160, help="The slow fla route runs on the first N prompts of each suite."),
@@ -118,16 +119,27 @@ def bench_e2e(
     summary_only: bool = typer.Option(False, "--summary-only", help="Only summarise the records found."),
     compile: Optional[str] = typer.Option(None, "--compile", help="default | max-autotune: the fused decode path "
                                           "(SPECLA_COMPILE=1 does the same)."),
-    tree_depth: int = typer.Option(8, "--tree-depth", help="The tree route's deepest level (16 nodes of top-4 "
-                                   "beams at any depth); a run resumes only with the options it began with."),
+    tree_depth: int = typer.Option(8, "--tree-depth", help="The tree route's deepest level (top-4 beams); a run "
+                                   "resumes only with the options it began with."),
+    tree_budget: int = typer.Option(16, "--tree-budget", help="The tree route's draft nodes (verified with the "
+                                    "root: budget + 1 rows)."),
     out: Path = typer.Option(Path("benchmarks/results")),
 ):
     """End-to-end speedup, accepted length, first-token match and exact match on real prompts (Fig 9)."""
     from specla.bench.e2e import ROUTES, SUITES, run
+    from specla.data.suites import is_prompt_file, load_suite
 
-    bad = sorted(set(routes.split(",")) - set(ROUTES)) + sorted(set(suites.split(",")) - set(SUITES))
+    bad = sorted(set(routes.split(",")) - set(ROUTES)) + \
+        sorted(s for s in set(suites.split(",")) - set(SUITES) if not is_prompt_file(s))
     if bad:
-        raise InputError(f"unknown route or suite {bad}: routes {ROUTES}, suites {SUITES}")
+        raise InputError(f"unknown route or suite {bad}: routes {ROUTES}, suites {SUITES} or a .txt / .jsonl "
+                         f"file of prompts")
+    for s in suites.split(","):
+        if is_prompt_file(s):
+            try:
+                load_suite(s)
+            except ValueError as e:
+                raise InputError(str(e)) from None
     try:
         k, n = (int(x) for x in shard.split("/"))
         assert 0 <= k < n
@@ -135,7 +147,8 @@ def bench_e2e(
         raise InputError(f"--shard {shard!r}: expected K/N with 0 <= K < N") from None
     run(model, tuple(suites.split(",")), tuple(routes.split(",")), limit=limit, fla_limit=fla_limit,
         max_new_tokens=max_new_tokens, device=device, dtype=dtype, out_dir=out, name=name, max_minutes=max_minutes,
-        shard=(k, n), summary_only=summary_only, compile=compile, tree_depth=tree_depth)
+        shard=(k, n), summary_only=summary_only, compile=compile, tree_depth=tree_depth,
+        tree_budget=tree_budget)
 
 
 @bench_app.command("rounds")

@@ -208,6 +208,27 @@ def test_e2e_tree_depth_is_recorded_and_kept_on_resume(tmp_path):
     assert e2e.run(**kw, summary_only=True)["route_options"]["tree"]["tree_depth"] == 3
 
 
+def test_e2e_on_a_file_of_prompts(tmp_path):
+    """`bench e2e --suites my.txt`: a user's prompt file is a suite (rows keyed by its path),
+    and a bad one is refused with its line before anything loads."""
+    import subprocess
+    import sys
+
+    prompts = tmp_path / "mine.txt"
+    prompts.write_text("Write a haiku about recurrence.\nWhat is 12 times 7?\n")
+    cmd = [sys.executable, "-m", "specla.cli", "bench", "e2e", "--routes", "ar,chain", "--max-new-tokens", "6",
+           "--device", "cpu", "--dtype", "float32", "--out", str(tmp_path / "out")]
+    r = subprocess.run(cmd + ["--suites", str(prompts)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    data = json.loads((tmp_path / "out" / "e2e.json").read_text())
+    row = data["suites"][str(prompts)]["chain"]
+    assert row["prompts"] == 2 and row["exact_match_rate"] == 1.0 and (tmp_path / "out" / "e2e.png").stat().st_size > 0
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"text": "no prompt key"}\n')
+    r = subprocess.run(cmd + ["--suites", str(bad)], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "bad.jsonl:2" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_ready_bench_summary_has_paired_intervals(tmp_path):
     """Quick ReaDy bench on CPU (random drafters), then the summary recomputed from its log:
     every row carries 95% intervals and the paired ReaDy / DSpark ratios bracket their value."""

@@ -95,6 +95,27 @@ def test_unknown_suite():
         assert name in str(e.value)
 
 
+def test_prompt_files_are_suites(tmp_path):
+    """A .txt (a prompt a line) or .jsonl (prompt / question / turns / messages) file is a suite."""
+    txt = tmp_path / "mine.txt"
+    txt.write_text("first prompt\n\nsecond prompt\n")
+    got = load_suite(str(txt))
+    assert [p.turns for p in got] == [["first prompt"], ["second prompt"]]
+    assert [p.id for p in got] == ["mine/1", "mine/3"] and got[0].suite == "mine"
+    rows = [{"prompt": "a"}, {"question": "b"}, {"turns": ["c", "c2"]},
+            {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "d"}]}, "e"]
+    js = tmp_path / "mine.jsonl"
+    js.write_text("\n".join(json.dumps(r) for r in rows))
+    assert [p.turns for p in load_suite(str(js), limit=4)] == [["a"], ["b"], ["c", "c2"], ["d"]]
+    js.write_text(json.dumps({"text": "x"}))
+    with pytest.raises(ValueError, match=r"mine.jsonl:1: expected"):
+        load_suite(str(js))
+    with pytest.raises(ValueError, match="not found"):
+        load_suite(str(tmp_path / "missing.txt"))
+    with pytest.raises(ValueError, match="file of prompts"):
+        load_suite("mine.csv")
+
+
 def test_gsm8k_train_and_benchmark_texts():
     rows = load_gsm8k_train()
     assert len(rows) == 7473 and {"question", "answer"} <= set(rows[0])

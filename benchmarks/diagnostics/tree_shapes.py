@@ -40,6 +40,12 @@ SHAPES = {  # name -> generate() options
     "tree-k4-d10-n16": dict(route="tree", tree_topk=4, tree_depth=10, tree_budget=16),
     "tree-k4-d12-n16": dict(route="tree", tree_topk=4, tree_depth=12, tree_budget=16),
     "tree-k4-d8-n12": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=12),
+    # 15 nodes + the root: 16 verify rows (17 rows ran the target's matmuls on other cuBLAS
+    # kernels than the chain's 9, ~11 µs a round more in tree_shapes_8f57fb9_profile) and fewer
+    # path programs; held-out tokens a round 1-1.6% under 16 nodes (tree_policy.py, CPU)
+    "tree-k4-d8-n15": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=15),
+    "tree-k4-d10-n15": dict(route="tree", tree_topk=4, tree_depth=10, tree_budget=15),
+    "tree-k4-d12-n15": dict(route="tree", tree_topk=4, tree_depth=12, tree_budget=15),
     # the tree scores at the plain log-probabilities (the default tempers them: eagle.TREE_TEMPERATURE)
     "tree-k4-d8-n16-t1": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, tree_temperature=1.0),
     # verified by the serial pass or the parallel (UT-form) kernel instead of the dispatch's

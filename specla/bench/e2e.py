@@ -40,17 +40,17 @@ SUITES = ("mixed", "gsm8k", "humaneval")
 EXACT = "+exact"
 
 
-def _route_kwargs(route: str, tree_depth: int = 8) -> dict:
-    """generate() options of a route; tree_depth: the trained drafter's tree route's (the budget
-    stays 16 nodes of top-4 beams at any depth)."""
+def _route_kwargs(route: str, tree_depth: int = 8, tree_budget: int = 16) -> dict:
+    """generate() options of a route; tree_depth, tree_budget: the trained drafter's tree route's
+    (top-4 beams)."""
     if route.endswith(EXACT):
-        return {**_route_kwargs(route[:-len(EXACT)], tree_depth), "exact": True}
+        return {**_route_kwargs(route[:-len(EXACT)], tree_depth, tree_budget), "exact": True}
     return {
         "ar": dict(route="ar"),
         "fla": dict(route="fla", chain_length=8),
         "chain": dict(route="chain", chain_length=8),
         # the temperature named, so that a run's route_options say which ranked the nodes
-        "tree": dict(route="tree", tree_topk=4, tree_budget=16, tree_depth=tree_depth,
+        "tree": dict(route="tree", tree_topk=4, tree_budget=tree_budget, tree_depth=tree_depth,
                      tree_temperature=TREE_TEMPERATURE),
         "ngram": dict(route="tree", drafter="ngram", tree_topk=4, tree_budget=16),
         "dspark": dict(route="dspark", chain_length=7),  # block drafters: 7 tokens in one forward (docs/ready.md)
@@ -150,7 +150,7 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    suites = [s for s in SUITES if s in result["suites"]]
+    suites = list(result["suites"])  # the run's order; a prompt file's rows by its path
     routes = [r for r in ROUTES if r != "ar" and any(result["suites"][s].get(r, {}).get("prompts") for s in suites)]
     fig, axes = plt.subplots(1, 4, figsize=(17, 3.2 + 0.3 * len(routes)))
     for ax, (key, label) in zip(axes, [("speedup", "speedup over AR"), ("decode_speedup", "speedup, prefill excluded"),
@@ -296,10 +296,12 @@ def _print(result: dict) -> None:
 def run(model_dir=None, suites=SUITES, routes=BASE_ROUTES, limit: int | None = None, fla_limit: int = 160,
         max_new_tokens: int = 128, device: str = "auto", dtype: str = "auto", out_dir=RESULTS,
         name: str = "e2e", max_minutes: float | None = None, shard: tuple[int, int] = (0, 1),
-        summary_only: bool = False, compile: str | None = None, tree_depth: int = 8) -> dict:
+        summary_only: bool = False, compile: str | None = None, tree_depth: int = 8,
+        tree_budget: int = 16) -> dict:
     """Generate what is not yet recorded (this shard's prompts), then summarise every record.
-    summary_only: no generation (e.g. after shards ran on several GPUs or calls). tree_depth:
-    the tree route's (`_route_kwargs`); a run resumes only records made with the same options."""
+    summary_only: no generation (e.g. after shards ran on several GPUs or calls). tree_depth,
+    tree_budget: the tree route's (`_route_kwargs`); a run resumes only records made with the
+    same options."""
     from tqdm import tqdm
 
     import specla.api as api
@@ -307,7 +309,7 @@ def run(model_dir=None, suites=SUITES, routes=BASE_ROUTES, limit: int | None = N
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     records = _load_records(out_dir, name)
-    kwargs = {r: _route_kwargs(r, tree_depth) for r in routes}
+    kwargs = {r: _route_kwargs(r, tree_depth, tree_budget) for r in routes}
     for r in routes:
         other = [o for o in _recorded_options(records, r) if o != kwargs[r]]
         if other and not summary_only:

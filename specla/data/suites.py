@@ -15,6 +15,11 @@ Three suites live under ``specla/data/suites/`` (licences beside the data):
     canonical solution).
 
 Files are read with :mod:`importlib.resources`, so this works from an installed wheel.
+
+Any other suite is a file of your own prompts (`load_suite("my_prompts.jsonl")`): ``.txt`` holds
+one prompt per non-empty line; ``.jsonl`` one object per line with ``prompt`` (or
+``question``: a string), ``turns`` (user turns) or ``messages`` (chat turns; the user's are
+kept). Its prompts' ids are ``<file stem>/<line>``.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import json
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
+from pathlib import Path
 from typing import Iterator
 
 __all__ = [
@@ -114,16 +120,67 @@ def _load(name: str) -> tuple[Prompt, ...]:
     return tuple(out)
 
 
+PROMPT_FILE_SUFFIXES = (".txt", ".jsonl")
+
+
+def is_prompt_file(name: str) -> bool:
+    """Whether a suite name names a prompt file (by its suffix; it may not exist)."""
+    return name not in SUITES and Path(name).suffix in PROMPT_FILE_SUFFIXES
+
+
+def _turns(row, where: str) -> list[str]:
+    if isinstance(row, str):
+        return [row]
+    if isinstance(row, dict):
+        for key in ("prompt", "question"):
+            if isinstance(row.get(key), str):
+                return [row[key]]
+        if isinstance(row.get("turns"), list) and all(isinstance(t, str) for t in row["turns"]):
+            return list(row["turns"])
+        if isinstance(row.get("messages"), list):
+            user = [m.get("content") for m in row["messages"] if isinstance(m, dict) and m.get("role") == "user"]
+            if user and all(isinstance(t, str) for t in user):
+                return user
+    raise ValueError(f"{where}: expected a string or an object with 'prompt', 'question', 'turns' or 'messages' "
+                     f"(user turns)")
+
+
+def _load_file(path: Path) -> tuple[Prompt, ...]:
+    """A prompt file's prompts (module docstring), in file order."""
+    if not path.is_file():
+        raise ValueError(f"prompt file {path} not found")
+    out = []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        if path.suffix == ".jsonl":
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i}: not JSON ({e.msg})") from None
+            turns = _turns(row, f"{path}:{i}")
+        else:
+            turns = [line]
+        if not turns[0].strip():
+            raise ValueError(f"{path}:{i}: empty prompt")
+        out.append(Prompt(id=f"{path.stem}/{i}", suite=path.stem, category=path.stem, turns=turns))
+    if not out:
+        raise ValueError(f"prompt file {path} holds no prompts")
+    return tuple(out)
+
+
 def load_suite(name: str, limit: int | None = None) -> list[Prompt]:
-    """Return the prompts of suite ``name`` (one of :data:`SUITES`) in their fixed order.
+    """Return the prompts of suite ``name`` (one of :data:`SUITES`, or a prompt file: module
+    docstring) in their fixed order.
 
     ``limit`` keeps the first ``limit`` prompts.
     """
-    if name not in SUITES:
-        raise ValueError(f"unknown benchmark suite {name!r}; valid suites: {', '.join(SUITES)}")
+    if name not in SUITES and not is_prompt_file(name):
+        raise ValueError(f"unknown benchmark suite {name!r}; valid suites: {', '.join(SUITES)}, or a "
+                         f"{' / '.join(PROMPT_FILE_SUFFIXES)} file of prompts")
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
-    prompts = _load(name)
+    prompts = _load_file(Path(name)) if is_prompt_file(name) else _load(name)
     if limit is not None:
         prompts = prompts[:limit]
     # fresh lists so callers cannot mutate the cache

@@ -57,8 +57,8 @@ from specla.ops.conv import naive as conv_ref
 from specla.ops.reader import naive as reader_ref
 from specla.precision import accumulation_dtype
 from specla.train.dist import finish, setup, wrap
-from specla.train.drafter import ResponseBatches, ResponseSet
-from specla.train.loop import RunClock, optimizer_step, run_steps, save_checkpoint
+from specla.train.drafter import ResponseBatches, ResponseSet, frozen_target
+from specla.train.loop import RunClock, load_checkpoint, optimizer_step, run_steps, save_checkpoint
 
 KINDS = ("dspark", "dspark-ft", "ready")
 # ReaDy Table 8: AdamW (0.9, 0.999), eps 1e-8, no weight decay; stage 1 lr 1e-4, stage 2 lr 5e-5
@@ -310,8 +310,6 @@ def train_block_drafter(target_dir, out_dir, data, kind: str = "dspark", init_fr
     """
     from tqdm import tqdm
 
-    from specla.checkpoint import load_model
-
     if kind not in KINDS:
         raise InputError(f"unknown kind {kind!r}; choose one of {', '.join(KINDS)}")
     if stage not in (1, 2):
@@ -323,11 +321,10 @@ def train_block_drafter(target_dir, out_dir, data, kind: str = "dspark", init_fr
     out.mkdir(parents=True, exist_ok=True)
     dev, rank, world, distributed = setup(device)
     main = rank == 0
-    target = load_model(target_dir, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    target.requires_grad_(False)
+    target = frozen_target(target_dir, dev)
 
     ckpt_path = out / "ckpt.pt"
-    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False) if ckpt_path.is_file() else None
+    ckpt = load_checkpoint(ckpt_path)
     counters = {"step": 0, "train_seconds": 0.0, "sequences_seen": 0, "total_steps": None}
     if ckpt is not None:
         if (ckpt["kind"], ckpt["stage"]) != (kind, stage):

@@ -40,13 +40,22 @@ from specla.errors import InputError
 from specla.model import Model
 from specla.precision import accumulation_dtype
 from specla.train.dist import finish, setup, wrap
-from specla.train.loop import RunClock, optimizer_step, run_steps, save_checkpoint
+from specla.train.loop import RunClock, load_checkpoint, optimizer_step, run_steps, save_checkpoint
 
 
 # --------------------------------------------------------------------------- prompts
 
 _CHUNK = re.compile(r"(?:_(\d+))?$")
 _TURN = re.compile(r"<\|(system|user|assistant)\|>\n(.*?)(?=<\|(?:system|user|assistant|eos)\|>|\Z)", re.S)
+
+
+def frozen_target(target_dir, dev: torch.device) -> Model:
+    """The target a drafter trains against, frozen and run as decoding runs it: bf16 on a GPU
+    (fp32 on a CPU)."""
+    from specla.checkpoint import load_model
+
+    target = load_model(target_dir, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    return target.requires_grad_(False)
 
 
 def opening_turns(text: str) -> list[dict]:
@@ -409,19 +418,15 @@ def train_drafter(target_dir, out_dir, data, total_steps: int | None = None, tot
     """
     from tqdm import tqdm
 
-    from specla.checkpoint import load_model
-
     t_start = time.time()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dev, rank, world, distributed = setup(device)
     main = rank == 0
-    # the frozen target runs as it does when decoding: bf16 on GPU
-    target = load_model(target_dir, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    target.requires_grad_(False)
+    target = frozen_target(target_dir, dev)
 
     ckpt_path = out / "ckpt.pt"
-    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False) if ckpt_path.is_file() else None
+    ckpt = load_checkpoint(ckpt_path)
     if ckpt is None and init_from is not None:
         # continue from an exported run (weights and counters; the optimiser starts afresh)
         state = json.loads((Path(init_from) / "training_state.json").read_text())

@@ -134,3 +134,9 @@ def save_checkpoint(state: dict, path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
     tmp.replace(path)
+
+
+def load_checkpoint(path) -> dict | None:
+    """What `save_checkpoint` wrote at path, or None when there is none (a fresh run)."""
+    path = Path(path)
+    return torch.load(path, map_location="cpu", weights_only=False) if path.is_file() else None

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from specla.config import ModelConfig
 from specla.model import Model
 from specla.train.dist import finish, setup, wrap
-from specla.train.loop import RunClock, optimizer_step, run_steps, save_checkpoint
+from specla.train.loop import RunClock, load_checkpoint, optimizer_step, run_steps, save_checkpoint
 
 def demo_config(tokenizer) -> ModelConfig:
     """The shipped demo target: depth over width within the 28 MB budget (DESIGN §9)."""
@@ -80,7 +80,7 @@ def train_target(out_dir, corpus_dir, tokenizer_dir, config: ModelConfig | None 
     tok = load_tokenizer(tokenizer_dir)
 
     ckpt_path = out / "ckpt.pt"
-    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False) if ckpt_path.is_file() else None
+    ckpt = load_checkpoint(ckpt_path)
     if ckpt is None and init_from is not None:
         # Continue from an exported run (weights and counters; the optimiser starts afresh),
         # for when the machine that held ckpt.pt is gone.
