@@ -21,6 +21,20 @@ app.add_typer(train_app, name="train")
 app.add_typer(data_app, name="data")
 
 
+def _version(value: bool) -> None:
+    if value:
+        from specla import __version__
+
+        typer.echo(f"specla {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                      help="Print the version and exit.")) -> None:
+    """Exact speculative decoding for Gated DeltaNet language models."""
+
+
 @app.command()
 def generate(
     text: Optional[str] = typer.Argument(None, help="Prompt text (or pass --prompt)."),

@@ -35,6 +35,13 @@ def specla(*args, timeout=120):
     return r.returncode, r.stdout, r.stderr
 
 
+def test_version():
+    from specla import __version__
+
+    code, out, _ = specla("--version")
+    assert code == 0 and out.strip() == f"specla {__version__}"
+
+
 def test_generate_json(model_dir):
     code, out, err = specla("generate", "--model", str(model_dir), "--prompt", "def reverse(s):",
                             "--route", "tree", "--max-new-tokens", "12", "--json", "--device", "cpu")
