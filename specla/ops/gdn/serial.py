@@ -101,7 +101,9 @@ def tree_verify_kernel(
         if HAS_VALID:
             real = real_nodes(valid, b, n)
         p_tab = chain_nodes + (b * n + c).to(tl.int64) * NP
-        node_next = tl.load(p_tab + 1, mask=L > 1, other=0)
+        # masked by n, not by L: the row holds NP >= n entries, so the load need not wait for L's
+        # (a walk of one node never uses it)
+        node_next = tl.load(p_tab + 1, mask=n > 1, other=0)
         node = tl.program_id(0) * 0
     else:
         L = n
