@@ -161,6 +161,8 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--budget", type=int, default=16)
     ap.add_argument("--depths", default="8,10,12")
+    ap.add_argument("--smaller-budgets", default="12,14,15",
+                    help="the route's rule at these node budgets too (comma-separated; '' for none)")
     ap.add_argument("--depth-bonus", default="-0.5,-0.25,0.25,0.5",
                     help="also rank by q + b*depth for each b (comma-separated; '' for none)")
     ap.add_argument("--pools", default=None, help="a .pt file: load the pools from it when it exists, else "
@@ -201,6 +203,9 @@ def main():
     for D in (int(x) for x in a.depths.split(",")):
         k = (lambda pool, D=D: by_score(pool[2], pool[1], depth, a.budget, D))
         run(f"q@{T_ROLL}", (k, k), depth=D, budget=a.budget)
+        for n in (int(x) for x in a.smaller_budgets.split(",") if x):
+            k = (lambda pool, D=D, n=n: by_score(pool[2], pool[1], depth, n, D))
+            run(f"q@{T_ROLL}", (k, k), depth=D, budget=n)
         for beta in (float(x) for x in a.depth_bonus.split(",") if x):
             k = (lambda pool, D=D, beta=beta: by_score(pool[2] + beta * depth, pool[1], depth, a.budget, D))
             run(f"q@{T_ROLL} + {beta}*depth", (k, k), depth=D, budget=a.budget, depth_bonus=beta)
