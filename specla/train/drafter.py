@@ -514,7 +514,7 @@ def train_drafter(target_dir, out_dir, data, total_steps: int | None = None, tot
     save(step, train_seconds)
     summary = {"step": step, "total_steps": total_steps, "finished": total_steps is not None and step >= total_steps,
                "sequences_seen": seqs_seen, "train_seconds": round(train_seconds, 1), **metrics,
-               "wall_seconds": round(time.time() - t_start, 1)}
+               "wall_seconds": round(time.time() - t_start, 1), "first_steps_seconds": clock.first_steps}
     if main:
         log.write(json.dumps({"event": "end_of_run", **summary}) + "\n")
         log.close()

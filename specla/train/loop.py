@@ -30,6 +30,9 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
+FIRST_STEPS = 5
+
+
 class RunClock:
     def __init__(self, total_steps: int | None, total_minutes: float, max_minutes: float,
                  checkpoint_minutes: float, device: torch.device, distributed: bool):
@@ -39,6 +42,9 @@ class RunClock:
         self.start = self.last_checkpoint = time.time()
         self.run_steps = 0
         self.calibration_start = 0.0
+        # each of a run's first FIRST_STEPS steps, timed alone: one-time costs (kernel compiles,
+        # autotuning, allocator growth) show there and nowhere else (the log reports them)
+        self.first_steps: list[float] = []
 
     def _from_rank0(self, value: torch.Tensor) -> torch.Tensor:
         if self.distributed:
@@ -56,9 +62,13 @@ class RunClock:
         """Seconds since t0 for the step just finished (step counts it). The GPU is synchronised
         every 10 steps and on the calibration steps, so the training time stays honest without a
         sync per step."""
-        if self.device.type == "cuda" and (step % 10 == 0 or self.timing_step()):
+        first = len(self.first_steps) < FIRST_STEPS
+        if self.device.type == "cuda" and (step % 10 == 0 or self.timing_step() or first):
             torch.cuda.synchronize()
-        return time.time() - t0
+        seconds = time.time() - t0
+        if first:
+            self.first_steps.append(round(seconds, 3))
+        return seconds
 
     def step_done(self, step: int, train_seconds: float) -> bool:
         """Count a finished step; True when it just fixed the schedule length."""

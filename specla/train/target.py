@@ -172,7 +172,8 @@ def train_target(out_dir, corpus_dir, tokenizer_dir, config: ModelConfig | None 
     total_steps = clock.total_steps
     finished = clock.finished(step)
     summary = {"step": step, "total_steps": total_steps, "finished": finished, "tokens_seen": tokens_seen,
-               "train_seconds": round(train_seconds, 1), "wall_seconds": round(time.time() - t_start, 1)}
+               "train_seconds": round(train_seconds, 1), "wall_seconds": round(time.time() - t_start, 1),
+               "first_steps_seconds": clock.first_steps}
     if main:
         log.write(json.dumps({"event": "end_of_run", **summary}) + "\n")
         log.close()
