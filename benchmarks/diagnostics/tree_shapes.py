@@ -26,7 +26,8 @@ import specla.api as api
 from specla import ops
 from specla.bench.common import environment, warm_set
 from specla.bench.e2e import bootstrap_ratio
-from specla.data.suites import load_suite
+from specla.data.suites import load_gsm8k_train, load_suite
+from specla.train.drafter import held_out_gsm8k
 
 SHAPES = {  # name -> generate() options
     "ar": dict(route="ar"),
@@ -71,6 +72,9 @@ SHAPES = {  # name -> generate() options
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--n-prompts", type=int, default=40, help="first N prompts of each suite")
+    ap.add_argument("--held-out", type=int, default=None,
+                    help="N GSM8K training questions the drafter's data left out, instead of the suites' "
+                         "prompts (`held_out_gsm8k`): to choose a shape on prompts no evaluation holds")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--out", default=None)
@@ -81,8 +85,12 @@ def main():
         return plot(json.load(open(a.replot))["rows"], a.replot.removesuffix(".json") + ".png")
 
     lm = api.load()
-    prompts = [(s, i, p.turns[0]) for s in ("mixed", "gsm8k", "humaneval")
-               for i, p in enumerate(load_suite(s, limit=a.n_prompts))]
+    if a.held_out:
+        questions = load_gsm8k_train()
+        prompts = [("held-out", i, questions[q]["question"]) for i, q in enumerate(held_out_gsm8k()[:a.held_out])]
+    else:
+        prompts = [(s, i, p.turns[0]) for s in ("mixed", "gsm8k", "humaneval")
+                   for i, p in enumerate(load_suite(s, limit=a.n_prompts))]
     warm = warm_set(((len(lm.encode_prompt(p)), p) for _, _, p in prompts), a.max_new_tokens)
     rows, records = [], {}
     for name in a.shapes.split(","):
@@ -134,7 +142,9 @@ def main():
         print("(AR did not run: no speed over AR)")
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({**environment(), "n_prompts_per_suite": a.n_prompts, "max_new_tokens": a.max_new_tokens,
+            json.dump({**environment(), "n_prompts_per_suite": a.n_prompts,
+                       "prompts": f"held-out GSM8K training questions {held_out_gsm8k()[:a.held_out]}" if a.held_out
+                       else "the first n_prompts_per_suite of mixed, gsm8k, humaneval", "max_new_tokens": a.max_new_tokens,
                        "rows": rows}, f, indent=1)
         plot(rows, a.out.removesuffix(".json") + ".png")
 
