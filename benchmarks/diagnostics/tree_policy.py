@@ -89,9 +89,9 @@ def replay(pools, keep) -> tuple[int, int]:
     new = len(pools)
     t = tokens = rounds = 0
     while tokens < new:
-        tok, par, q, correct = pools[t]
+        correct = pools[t][3]
         kept = keep(pools[t])
-        a = int(correct[kept].sum()) if len(kept) else 0
+        a = int(correct[kept].sum()) if len(kept) else 0  # the correct nodes form one path
         tokens += a + 1
         rounds += 1
         t += a + 1
