@@ -105,6 +105,22 @@ def test_bad_tree_options_one_line_error(args, msg):
     assert len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("kind", ["eagle", "dspark"])
+def test_bad_training_data_one_line_error(tmp_path, kind):
+    """A drafter's training data that is missing, not an .npz, or another .npz: one line each,
+    before the target loads or the run directory is made."""
+    import numpy as np
+
+    (tmp_path / "text.npz").write_text("not an archive")
+    np.savez(tmp_path / "other.npz", a=np.zeros(3))
+    for name, msg in (("missing.npz", "not found"), ("text.npz", "is not an .npz file"),
+                      ("other.npz", "has no tokens, offsets")):
+        code, _, err = specla("train", "drafter", "--target", str(DEMO_DIR), "--data", str(tmp_path / name),
+                              "--out", str(tmp_path / "run"), "--kind", kind)
+        assert code != 0 and msg in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+        assert not (tmp_path / "run").exists()
+
+
 def _broken(model_dir, tmp_path, how):
     d = tmp_path / how
     shutil.copytree(model_dir, d)

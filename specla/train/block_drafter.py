@@ -317,6 +317,7 @@ def train_block_drafter(target_dir, out_dir, data, kind: str = "dspark", init_fr
     scratch = kind == "dspark"
     stage = 0 if scratch else 2 if kind == "dspark-ft" else stage  # 0: not an adaptation stage
     t_start = time.time()
+    dataset = ResponseSet(data)  # read first: a bad path fails before the target loads
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dev, rank, world, distributed = setup(device)
@@ -372,7 +373,6 @@ def train_block_drafter(target_dir, out_dir, data, kind: str = "dspark", init_fr
     loss_fn = BlockLoss(model, step_decay, tv_weight, conf_weight)
     net = wrap(loss_fn, dev, distributed)
 
-    dataset = ResponseSet(data)
     train_idx, val_idx = dataset.split(val_fraction, seed)
     train = ResponseBatches(dataset, train_idx, batch_size, seq_len, seed, rank)
     val = ResponseBatches(dataset, val_idx, batch_size, seq_len)

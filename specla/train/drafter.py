@@ -235,11 +235,22 @@ def merge_responses(out_file, inputs) -> dict:
 class ResponseSet:
     """A dataset written by `save_responses`."""
 
+    FIELDS = ("tokens", "offsets", "prompt_len", "source", "meta")
+
     def __init__(self, path):
-        with np.load(path, allow_pickle=False) as z:
-            self.tokens, self.offsets, self.prompt_len = z["tokens"], z["offsets"], z["prompt_len"]
-            self.source = z["source"]
-            self.meta = json.loads(str(z["meta"]))
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                missing = [f for f in self.FIELDS if f not in z.files]
+                if missing:
+                    raise InputError(f"{path} has no {', '.join(missing)}: not a responses file of "
+                                     f"`specla data responses`")
+                self.tokens, self.offsets, self.prompt_len = z["tokens"], z["offsets"], z["prompt_len"]
+                self.source = z["source"]
+                self.meta = json.loads(str(z["meta"]))
+        except FileNotFoundError:
+            raise InputError(f"{path} not found: make the training data with `specla data responses`") from None
+        except (OSError, ValueError):
+            raise InputError(f"{path} is not an .npz file (`specla data responses` writes one)") from None
 
     def __len__(self) -> int:
         return len(self.prompt_len)
@@ -419,6 +430,7 @@ def train_drafter(target_dir, out_dir, data, total_steps: int | None = None, tot
     from tqdm import tqdm
 
     t_start = time.time()
+    dataset = ResponseSet(data)  # read first: a bad path fails before the target loads
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dev, rank, world, distributed = setup(device)
@@ -453,7 +465,6 @@ def train_drafter(target_dir, out_dir, data, total_steps: int | None = None, tot
         total_steps = total_steps or ckpt.get("total_steps")
     net = wrap(_TTTLoss(drafter, unroll, step_decay), dev, distributed)
 
-    dataset = ResponseSet(data)
     train_idx, val_idx = dataset.split(val_fraction, seed)
     train = ResponseBatches(dataset, train_idx, batch_size, seq_len, seed, rank)
     val = ResponseBatches(dataset, val_idx, batch_size, seq_len)
