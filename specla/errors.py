@@ -19,3 +19,8 @@ class InputError(SpeclaError):
 
 class TopologyError(SpeclaError):
     """A draft topology (parent array) is malformed."""
+
+
+class MissingDataError(SpeclaError, FileNotFoundError):
+    """A corpus, dataset or tokenizer file a command needs is not there (the message says how to
+    make it)."""

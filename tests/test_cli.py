@@ -121,6 +121,15 @@ def test_bad_training_data_one_line_error(tmp_path, kind):
         assert not (tmp_path / "run").exists()
 
 
+def test_missing_corpus_one_line_error(tmp_path):
+    """Commands that read the training corpus say how to build it, in one line."""
+    for args in (["data", "responses", "--target", str(DEMO_DIR), "--out", str(tmp_path / "r.npz")],
+                 ["train", "target", "--out", str(tmp_path / "run")]):
+        code, _, err = specla(*args, "--corpus", str(tmp_path / "missing"))
+        assert code != 0 and "specla data corpus" in err and "Traceback" not in err
+        assert len(err.strip().splitlines()) == 1
+
+
 def _broken(model_dir, tmp_path, how):
     d = tmp_path / how
     shutil.copytree(model_dir, d)

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
+from specla.errors import MissingDataError
+
 from .suites import benchmark_texts, load_gsm8k_train
 from .tokenizer import BOS, EOS, SPECIAL_TOKENS, render_chat
 
@@ -284,13 +286,13 @@ def pydocs_documents(docs_dir: str | os.PathLike = DEFAULT_DOCS_DIR) -> Iterator
     """One document per ``*.rst.txt`` file under ``docs_dir``, in path order."""
     docs_dir = Path(docs_dir)
     if not docs_dir.is_dir():
-        raise FileNotFoundError(
+        raise MissingDataError(
             f"Python documentation sources not found at {docs_dir}: install the Debian package "
             "python3.11-doc (apt-get install python3.11-doc) or pass docs_dir=<dir with *.rst.txt>"
         )
     files = sorted(docs_dir.rglob("*.rst.txt"))
     if not files:
-        raise FileNotFoundError(f"no *.rst.txt files under {docs_dir}")
+        raise MissingDataError(f"no *.rst.txt files under {docs_dir}")
     for p in files:
         text = p.read_text(encoding="utf-8", errors="replace")
         if text.strip() and not any(s in text for s in SPECIAL_TOKENS):
@@ -359,7 +361,7 @@ def _write_split(path: Path, docs: Sequence[Document], progress: bool) -> None:
 def read_manifest(corpus_dir: str | os.PathLike) -> dict:
     path = Path(corpus_dir) / "manifest.json"
     if not path.is_file():
-        raise FileNotFoundError(f"no corpus manifest at {path}; build one with `specla data corpus`")
+        raise MissingDataError(f"no corpus manifest at {path}; build one with `specla data corpus`")
     return json.loads(path.read_text())
 
 
@@ -369,7 +371,7 @@ def iter_records(corpus_dir: str | os.PathLike, split: str = "train") -> Iterato
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     path = Path(corpus_dir) / f"{split}.jsonl.xz"
     if not path.is_file():
-        raise FileNotFoundError(f"no {split} split at {path}; build the corpus with `specla data corpus`")
+        raise MissingDataError(f"no {split} split at {path}; build the corpus with `specla data corpus`")
     with lzma.open(path, "rt", encoding="utf-8") as f:
         for line in f:
             if line.strip():

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+from specla.errors import MissingDataError
+
 __all__ = [
     "BOS",
     "EOS",
@@ -367,7 +369,7 @@ def load_tokenizer(model_dir: str | os.PathLike) -> TokenizerWrapper:
     model_dir = Path(model_dir)
     tok_file = model_dir / "tokenizer.json"
     if not tok_file.is_file():
-        raise FileNotFoundError(f"no tokenizer.json in {model_dir} (expected an HF model/tokenizer directory)")
+        raise MissingDataError(f"no tokenizer.json in {model_dir} (expected an HF model/tokenizer directory)")
     tok = Tokenizer.from_file(str(tok_file))
     cfg = _read_json(model_dir / "tokenizer_config.json")
     gen = _read_json(model_dir / "generation_config.json")
