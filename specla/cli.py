@@ -103,6 +103,16 @@ def generate(
                 f"over {out.rounds} rounds ({out.stop_reason})", err=True, dim=True)
 
 
+def _needs_gpu(command: str, device: str, smoke: str = "") -> None:
+    """One line instead of a CUDA traceback when a GPU benchmark starts on a machine without one."""
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise InputError(f"bench {command} times GPU work and no CUDA GPU is here"
+                             + (f"; `{smoke}` runs it as a CPU smoke test" if smoke else ""))
+
+
 @bench_app.command("kernels")
 def bench_kernels(
     out: Path = typer.Option(Path("benchmarks/results")),
@@ -110,6 +120,7 @@ def bench_kernels(
     quick: bool = typer.Option(False, help="Tiny shapes, few repetitions (smoke test; CPU runs the interpreter)."),
 ):
     """SpecLA's kernel microbenchmarks (Table 1, Fig 11a/b, serial chain vs fla) in CUDA graph replay."""
+    _needs_gpu("kernels", device, "--device cpu --quick")
     from specla.bench.kernels import run
 
     run(out_dir=str(out), device=device, quick=quick)
@@ -241,6 +252,7 @@ def bench_decode(
     out: Path = typer.Option(Path("benchmarks/results")),
 ):
     """AR ms/token (eager and CUDA graphs) and one 16-node speculative round, at named shapes (GPU)."""
+    _needs_gpu("decode", device)
     from specla.bench.decode import run
 
     run(tuple(s for s in shapes.split(",") if s), new_tokens=new_tokens, rounds=rounds, out_dir=out,
@@ -256,6 +268,7 @@ def bench_gemv(
     out: Path = typer.Option(Path("benchmarks/results")),
 ):
     """A batch-1 step's matmuls (1 and 17 rows): cuBLAS, its variants and specla's kernels against the copy bandwidth."""
+    _needs_gpu("gemv", device, "--device cpu --shape tiny --quick")
     from specla.bench.gemv import run
 
     run(shape=shape, device=device, layers=layers, quick=quick, out_dir=out)
@@ -278,6 +291,7 @@ def bench_controlled(
     out: Path = typer.Option(Path("benchmarks/results")),
 ):
     """Speedup over AR for acceptance probability p and chain length L, measured costs (SpecLA Fig 12)."""
+    _needs_gpu("controlled", device, "--device cpu --shape tiny --quick")
     from specla.bench.controlled import run
 
     try:
@@ -309,6 +323,7 @@ def bench_agreement(
     out: Path = typer.Option(Path("benchmarks/results")),
 ):
     """How often bf16 chain/tree outputs equal AR's; first divergence and AR's logit margin there."""
+    _needs_gpu("agreement", device, "--device cpu --shape tiny --quick")
     from specla.bench.agreement import run
     from specla.fused import GEMVS
 
@@ -405,6 +420,7 @@ def bench_ready(
         resummarise(out, stem)
         return
 
+    _needs_gpu("ready", device, "--device cpu --quick")
     picked = tuple(r for r in rows.split(",") if r)
     if set(picked) - set(ROWS):
         raise InputError(f"--rows {rows!r}: choose from {', '.join(ROWS)}")

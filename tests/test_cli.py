@@ -130,6 +130,18 @@ def test_missing_corpus_one_line_error(tmp_path):
         assert len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("command", ["kernels", "decode", "gemv", "controlled", "agreement", "ready"])
+def test_gpu_benchmarks_without_a_gpu_one_line_error(monkeypatch, command):
+    """A GPU benchmark started where no CUDA GPU is says so in one line (and how to smoke-test it)."""
+    from typer.testing import CliRunner
+
+    from specla.cli import app
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    r = CliRunner().invoke(app, ["bench", command])
+    assert isinstance(r.exception, InputError) and "no CUDA GPU is here" in str(r.exception)
+
+
 def _broken(model_dir, tmp_path, how):
     d = tmp_path / how
     shutil.copytree(model_dir, d)
