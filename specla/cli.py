@@ -291,7 +291,6 @@ def bench_controlled(
     out: Path = typer.Option(Path("benchmarks/results")),
 ):
     """Speedup over AR for acceptance probability p and chain length L, measured costs (SpecLA Fig 12)."""
-    _needs_gpu("controlled", device, "--device cpu --shape tiny --quick")
     from specla.bench.controlled import run
 
     try:
@@ -301,6 +300,7 @@ def bench_controlled(
         raise InputError(f"--lengths takes integers and --ps numbers, got {lengths!r} / {ps!r}") from None
     if not Ls or not Ps or min(Ls) < 1 or not all(0 <= p <= 1 for p in Ps):
         raise InputError(f"--lengths must be positive and --ps within [0, 1], got {lengths!r} / {ps!r}")
+    _needs_gpu("controlled", device, "--device cpu --shape tiny --quick")  # after the options' own checks
     run(shape=shape, device=device, rounds=rounds, prompt_len=prompt_len, quick=quick, compile=compile, gemv=gemv,
         lengths=Ls, ps=Ps, out_dir=out, name=name)
 
@@ -323,12 +323,12 @@ def bench_agreement(
     out: Path = typer.Option(Path("benchmarks/results")),
 ):
     """How often bf16 chain/tree outputs equal AR's; first divergence and AR's logit margin there."""
-    _needs_gpu("agreement", device, "--device cpu --shape tiny --quick")
     from specla.bench.agreement import run
     from specla.fused import GEMVS
 
     if gemv not in GEMVS:
         raise InputError(f"--gemv takes {', '.join(GEMVS)}, got {gemv!r}")
+    _needs_gpu("agreement", device, "--device cpu --shape tiny --quick")
     run(shape=shape, runs=runs, new_tokens=new_tokens, prompt_len=prompt_len, noise=noise, device=device,
         quick=quick, compile=compile, exact=exact, gemv=gemv, name=name, out_dir=out)
 
@@ -420,12 +420,12 @@ def bench_ready(
         resummarise(out, stem)
         return
 
-    _needs_gpu("ready", device, "--device cpu --quick")
     picked = tuple(r for r in rows.split(",") if r)
     if set(picked) - set(ROWS):
         raise InputError(f"--rows {rows!r}: choose from {', '.join(ROWS)}")
     if any("=" not in v for v in variant):
         raise InputError("--variant takes NAME=DIR")
+    _needs_gpu("ready", device, "--device cpu --quick")  # after the options' own checks
     run(model, dspark, dspark_ft, ready, dict(v.split("=", 1) for v in variant),
         tuple(s for s in suites.split(",") if s), n_prompts, max_new_tokens, device, threshold=threshold,
         operator=operator, quick=quick, max_minutes=max_minutes, out_dir=out, rows=picked, name=name,
