@@ -13,8 +13,8 @@ class UnsupportedConfigError(CheckpointError):
     """A config asks for a feature specla does not implement."""
 
 
-class InputError(SpeclaError):
-    """A prompt, token ids or generation option is invalid."""
+class InputError(SpeclaError, ValueError):
+    """A prompt, token ids, a prompt suite or an option is invalid (a ValueError too)."""
 
 
 class TopologyError(SpeclaError):

@@ -33,6 +33,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Iterator
 
+from specla.errors import InputError
+
 __all__ = [
     "SUITES",
     "MIXED_CATEGORIES",
@@ -141,14 +143,14 @@ def _turns(row, where: str) -> list[str]:
             user = [m.get("content") for m in row["messages"] if isinstance(m, dict) and m.get("role") == "user"]
             if user and all(isinstance(t, str) for t in user):
                 return user
-    raise ValueError(f"{where}: expected a string or an object with 'prompt', 'question', 'turns' or 'messages' "
+    raise InputError(f"{where}: expected a string or an object with 'prompt', 'question', 'turns' or 'messages' "
                      f"(user turns)")
 
 
 def _load_file(path: Path) -> tuple[Prompt, ...]:
     """A prompt file's prompts (module docstring), in file order."""
     if not path.is_file():
-        raise ValueError(f"prompt file {path} not found")
+        raise InputError(f"prompt file {path} not found")
     out = []
     for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
@@ -157,15 +159,15 @@ def _load_file(path: Path) -> tuple[Prompt, ...]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i}: not JSON ({e.msg})") from None
+                raise InputError(f"{path}:{i}: not JSON ({e.msg})") from None
             turns = _turns(row, f"{path}:{i}")
         else:
             turns = [line]
         if not turns[0].strip():
-            raise ValueError(f"{path}:{i}: empty prompt")
+            raise InputError(f"{path}:{i}: empty prompt")
         out.append(Prompt(id=f"{path.stem}/{i}", suite=path.stem, category=path.stem, turns=turns))
     if not out:
-        raise ValueError(f"prompt file {path} holds no prompts")
+        raise InputError(f"prompt file {path} holds no prompts")
     return tuple(out)
 
 
@@ -176,10 +178,10 @@ def load_suite(name: str, limit: int | None = None) -> list[Prompt]:
     ``limit`` keeps the first ``limit`` prompts.
     """
     if name not in SUITES and not is_prompt_file(name):
-        raise ValueError(f"unknown benchmark suite {name!r}; valid suites: {', '.join(SUITES)}, or a "
+        raise InputError(f"unknown benchmark suite {name!r}; valid suites: {', '.join(SUITES)}, or a "
                          f"{' / '.join(PROMPT_FILE_SUFFIXES)} file of prompts")
     if limit is not None and limit < 0:
-        raise ValueError(f"limit must be >= 0, got {limit}")
+        raise InputError(f"limit must be >= 0, got {limit}")
     prompts = _load_file(Path(name)) if is_prompt_file(name) else _load(name)
     if limit is not None:
         prompts = prompts[:limit]

@@ -240,17 +240,17 @@ class ResponseSet:
     def __init__(self, path):
         try:
             with np.load(path, allow_pickle=False) as z:
-                missing = [f for f in self.FIELDS if f not in z.files]
-                if missing:
-                    raise InputError(f"{path} has no {', '.join(missing)}: not a responses file of "
-                                     f"`specla data responses`")
-                self.tokens, self.offsets, self.prompt_len = z["tokens"], z["offsets"], z["prompt_len"]
-                self.source = z["source"]
-                self.meta = json.loads(str(z["meta"]))
+                arrays = {f: z[f] for f in self.FIELDS if f in z.files}
         except FileNotFoundError:
             raise InputError(f"{path} not found: make the training data with `specla data responses`") from None
         except (OSError, ValueError):
             raise InputError(f"{path} is not an .npz file (`specla data responses` writes one)") from None
+        missing = [f for f in self.FIELDS if f not in arrays]
+        if missing:
+            raise InputError(f"{path} has no {', '.join(missing)}: not a responses file of `specla data responses`")
+        self.tokens, self.offsets, self.prompt_len = arrays["tokens"], arrays["offsets"], arrays["prompt_len"]
+        self.source = arrays["source"]
+        self.meta = json.loads(str(arrays["meta"]))
 
     def __len__(self) -> int:
         return len(self.prompt_len)
