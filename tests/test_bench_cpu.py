@@ -528,12 +528,35 @@ def test_tree_policy_replay_is_the_decode_loop():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     lm = api.load(device="cpu", dtype="float32")
-    drafter = EagleDrafter(load_drafter(find_drafter(lm.model_dir), lm.model), lm.model, topk=mod.TOPK,
-                           depth=mod.DEPTH, width=mod.WIDTH, temperature=mod.T_ROLL)
+    drafter = EagleDrafter(load_drafter(find_drafter(lm.model_dir), lm.model), lm.model, topk=4,
+                           depth=12, width=4, temperature=mod.T_ROLL)
     prompt = "Natalia sold clips to 48 of her friends in April. How many did she sell in May?"
     pools = mod.pools_of(lm, drafter, lm.encode_prompt(prompt), 40)
-    depth = tree.pool_depths(pools[0][0].shape[0], mod.TOPK, mod.WIDTH, "cpu")[0]
+    depth = tree.pool_depths(pools[0][0].shape[0], 4, 4, "cpu")[0]
     for d in (8, 12):
         g = lm.generate(prompt, route="tree", tree_depth=d, max_new_tokens=40)
         tokens, rounds = mod.replay(pools, lambda pool: mod.by_score(pool[2], pool[1], depth, 16, d))
         assert (tokens, rounds) == (len(g.tokens), g.rounds) and rounds < tokens
+
+
+def test_tree_shapes_reads_shapes_from_names():
+    """tree_shapes.py's shape names say their options; the demo pair decodes with each, and an
+    unknown name stops the run before anything loads."""
+    import importlib.util
+    from pathlib import Path
+
+    import specla.api as api
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks/diagnostics/tree_shapes.py"
+    spec = importlib.util.spec_from_file_location("tree_shapes", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.shape_options("chain10") == dict(route="chain", chain_length=10)
+    assert mod.shape_options("tree-k8-w2-d12-n15-t0.7") == dict(route="tree", tree_topk=8, tree_depth=12,
+                                                                tree_budget=15, tree_width=2, tree_temperature=0.7)
+    with pytest.raises(SystemExit, match="unknown shape 'tree-k4-d8'"):
+        mod.shape_options("tree-k4-d8")
+    lm = api.load(device="cpu", dtype="float32")
+    ar = lm.generate("Two plus two is", route="ar", max_new_tokens=12).tokens
+    for name in mod.DEFAULT.split(","):
+        assert lm.generate("Two plus two is", max_new_tokens=12, **mod.shape_options(name)).tokens == ar, name

@@ -50,7 +50,7 @@ from specla.drafters import tree
 from specla.drafters.eagle import EagleDrafter, find_drafter, load_drafter
 from specla.train.drafter import held_out_gsm8k
 
-TOPK, WIDTH, DEPTH, T_ROLL = 4, 4, 12, 0.5
+T_ROLL = 0.5
 
 
 def pools_of(lm, drafter: EagleDrafter, ids: list[int], new: int):
@@ -58,7 +58,7 @@ def pools_of(lm, drafter: EagleDrafter, ids: list[int], new: int):
     consumed, the root x_t+1 known), the rollout's pool: (tokens [P], parents [P], q [P],
     correct [P] bool); one pool a token generated."""
     model = lm.model
-    cont = Decoder(model).run(torch.tensor([ids]), new + DEPTH + 1)[0][0]
+    cont = Decoder(model).run(torch.tensor([ids]), new + drafter.depth + 1)[0][0]
     eos = lm.tokenizer.eos_token_ids | set(model.cfg.eos_token_id)
     # generation stops at the end of the answer, as the decode loop does (the EOS token counts)
     new = next((i + 1 for i, x in enumerate(cont[:new]) if x in eos), new)
@@ -68,12 +68,11 @@ def pools_of(lm, drafter: EagleDrafter, ids: list[int], new: int):
     drafter.reset(1)
     drafter.extend(seq[:, :T - 1], {i: h[:, :T - 1] for i, h in out.hidden.items()}, torch.tensor([T - 1]))
     pools = []
-    depth = tree.pool_depths(TOPK + (DEPTH - 1) * WIDTH * TOPK, TOPK, WIDTH, "cpu")[0]
+    k, w, D = drafter.topk, drafter.width, drafter.depth
+    depth = tree.pool_depths(k + (D - 1) * w * k, k, w, "cpu")[0]
     for t in range(T - 2, T - 2 + new):
-        drafter._reserve(drafter.entries)
-        W = drafter._window()
-        tok, par, q = (x[0] for x in drafter.rollout(seq[:, t + 1], drafter.k[:, :, :W], drafter.v[:, :, :W]))
-        want = seq[0, t + 2:t + 2 + DEPTH]
+        tok, par, q = (x[0] for x in drafter.pool(seq[:, t + 1]))
+        want = seq[0, t + 2:t + 2 + D]
         tl, pl, wl, dl = tok.tolist(), par.tolist(), want.tolist(), depth.tolist()
         ok: list[bool] = []
         for i in range(len(tl)):  # parents come first: a node is correct when its parent is
@@ -110,23 +109,23 @@ def by_score(score: torch.Tensor, par: torch.Tensor, depth: torch.Tensor, budget
     return idx[torch.tensor(tree.select(s, p, budget), dtype=torch.long)] if s else idx
 
 
-def features(q: torch.Tensor, par: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+def features(q: torch.Tensor, par: torch.Tensor, depth: torch.Tensor, topk: int) -> torch.Tensor:
     """Per node: its own tempered log-probability, its rank among its siblings (one-hot), its
     depth, and its parent's own log-probability (0 at the root's children)."""
     up = par.clamp(min=0)
     own = q - torch.where(par >= 0, q[up], 0.0)
     parent_own = torch.where(par >= 0, own[up], 0.0)
-    rank = torch.nn.functional.one_hot(torch.arange(q.shape[0]) % TOPK, TOPK).float()
-    return torch.cat([own[:, None], rank, depth[:, None].float() / DEPTH, parent_own[:, None]], 1)
+    rank = torch.nn.functional.one_hot(torch.arange(q.shape[0]) % topk, topk).float()
+    return torch.cat([own[:, None], rank, depth[:, None].float() / int(depth.max()), parent_own[:, None]], 1)
 
 
-def fit(pools, depth: torch.Tensor, max_depth: int) -> torch.nn.Module:
+def fit(pools, depth: torch.Tensor, max_depth: int, topk: int) -> torch.nn.Module:
     """Logistic P(correct | parent correct) over the pools' nodes whose parent is correct."""
     X, y = [], []
     for tok, par, q, correct in (p for prompt in pools for p in prompt):
         parent_ok = torch.where(par >= 0, correct[par.clamp(min=0)], torch.ones_like(correct))
         m = parent_ok & (depth <= max_depth)
-        X.append(features(q, par, depth)[m])
+        X.append(features(q, par, depth, topk)[m])
         y.append(correct[m].float())
     X, y = torch.cat(X), torch.cat(y)
     lin = torch.nn.Linear(X.shape[1], 1, dtype=torch.float32)
@@ -142,11 +141,11 @@ def fit(pools, depth: torch.Tensor, max_depth: int) -> torch.nn.Module:
     return lin
 
 
-def calibrated_keep(lin, depth, budget, max_depth):
+def calibrated_keep(lin, depth, budget, max_depth, topk):
     def keep(pool):
         tok, par, q, correct = pool
         with torch.no_grad():
-            logp = torch.nn.functional.logsigmoid(lin(features(q, par, depth))[:, 0])
+            logp = torch.nn.functional.logsigmoid(lin(features(q, par, depth, topk))[:, 0])
         path = logp.clone()
         for i in range(path.shape[0]):  # parents first
             if par[i] >= 0:
@@ -167,8 +166,13 @@ def main():
                     help="also rank by q + b*depth for each b (comma-separated; '' for none)")
     ap.add_argument("--pools", default=None, help="a .pt file: load the pools from it when it exists, else "
                     "save them there (the rollouts are most of the time; the policies take seconds)")
+    ap.add_argument("--topk", type=int, default=4, help="children a beam proposes a depth")
+    ap.add_argument("--width", type=int, default=4, help="beams kept a depth (<= topk)")
+    ap.add_argument("--rollout-depth", type=int, default=12, help="the rollout's depth (>= every --depths)")
+    ap.add_argument("--no-calibrated", action="store_true", help="skip the fitted acceptance model")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    TOPK, WIDTH, DEPTH = a.topk, a.width, a.rollout_depth
 
     lm = api.load(device="cpu", dtype="float32")
     drafter = EagleDrafter(load_drafter(find_drafter(lm.model_dir), lm.model), lm.model, topk=TOPK, depth=DEPTH,
@@ -209,8 +213,9 @@ def main():
         for beta in (float(x) for x in a.depth_bonus.split(",") if x):
             k = (lambda pool, D=D, beta=beta: by_score(pool[2] + beta * depth, pool[1], depth, a.budget, D))
             run(f"q@{T_ROLL} + {beta}*depth", (k, k), depth=D, budget=a.budget, depth_bonus=beta)
-        models = [fit(folds[1], depth, D), fit(folds[0], depth, D)]  # each fold scored by the other's fit
-        run("calibrated", [calibrated_keep(m, depth, a.budget, D) for m in models], depth=D, budget=a.budget)
+        if not a.no_calibrated:
+            models = [fit(folds[1], depth, D, TOPK), fit(folds[0], depth, D, TOPK)]  # each fold scored by the other's fit
+            run("calibrated", [calibrated_keep(m, depth, a.budget, D, TOPK) for m in models], depth=D, budget=a.budget)
         every = (lambda pool, D=D: torch.nonzero(depth <= D)[:, 0])
         run("oracle", (every, every), depth=D, budget=None)
     if a.out:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import specla.api as api
 from specla import ops
@@ -29,36 +30,15 @@ from specla.bench.e2e import bootstrap_ratio
 from specla.data.suites import load_gsm8k_train, load_suite
 from specla.train.drafter import held_out_gsm8k
 
-SHAPES = {  # name -> generate() options
-    "ar": dict(route="ar"),
-    "chain8": dict(route="chain", chain_length=8),
-    "chain10": dict(route="chain", chain_length=10),
-    "chain12": dict(route="chain", chain_length=12),
-    "tree-k4-d8-n16": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16),
-    "tree-k4-d6-n16": dict(route="tree", tree_topk=4, tree_depth=6, tree_budget=16),
-    "tree-k4-d7-n16": dict(route="tree", tree_topk=4, tree_depth=7, tree_budget=16),
-    "tree-k4-d9-n16": dict(route="tree", tree_topk=4, tree_depth=9, tree_budget=16),
-    "tree-k4-d10-n16": dict(route="tree", tree_topk=4, tree_depth=10, tree_budget=16),
-    "tree-k4-d12-n16": dict(route="tree", tree_topk=4, tree_depth=12, tree_budget=16),
-    "tree-k4-d8-n12": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=12),
-    # 15 nodes + the root: 16 verify rows (17 rows ran the target's matmuls on other cuBLAS
-    # kernels than the chain's 9, ~11 µs a round more in tree_shapes_8f57fb9_profile) and fewer
-    # path programs; held-out tokens a round 1-1.6% under 16 nodes (tree_policy.py, CPU)
-    "tree-k4-d8-n15": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=15),
-    "tree-k4-d10-n15": dict(route="tree", tree_topk=4, tree_depth=10, tree_budget=15),
-    "tree-k4-d12-n15": dict(route="tree", tree_topk=4, tree_depth=12, tree_budget=15),
-    # the tree scores at the plain log-probabilities (the default tempers them: eagle.TREE_TEMPERATURE)
-    "tree-k4-d8-n16-t1": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, tree_temperature=1.0),
+# plain shapes are read from their names (`shape_options`): chainL (L-token chains) and
+# tree-kK[-wW]-dD-nN[-tT] (top-k K, width W (default K), depth D, N nodes, temperature T)
+DEFAULT = ("ar,chain8,chain10,chain12,tree-k4-d8-n16,tree-k4-d10-n16,tree-k4-d12-n16,tree-k4-d8-n15,"
+           "tree-k4-w1-d8-n16,tree-k4-w2-d8-n16")
+SPECIAL = {  # name -> generate() options, for what a name cannot say
     # verified by the serial pass or the parallel (UT-form) kernel instead of the dispatch's
     # choice (the path-parallel one for the demo's 16-node trees)
     "tree-k4-d8-n16-parallel": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, tree_verifier="parallel"),
     "tree-k4-d8-n16-serial": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, tree_verifier="serial"),
-    "tree-k4-d8-n24": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=24),
-    "tree-k4-w1-d8-n16": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, tree_width=1),
-    "tree-k4-w1-d8-n12": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=12, tree_width=1),
-    "tree-k4-w1-d10-n16": dict(route="tree", tree_topk=4, tree_depth=10, tree_budget=16, tree_width=1),
-    "tree-k4-w2-d8-n16": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, tree_width=2),
-    "tree-k3-w1-d8-n16": dict(route="tree", tree_topk=3, tree_depth=8, tree_budget=16, tree_width=1),
     # the drafter's step with its norms, gate and residual adds as separate kernels
     # (SPECLA_DRAFT_FUSED=torch), as before `ops.fused_linear`
     "chain8-unfused": dict(route="chain", chain_length=8, draft_fused="torch"),
@@ -67,6 +47,26 @@ SHAPES = {  # name -> generate() options
     "tree-k4-w1-d8-n16-traced": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, tree_width=1,
                                      beam_expand="torch"),
 }
+CHAIN = re.compile(r"chain(\d+)")
+TREE = re.compile(r"tree-k(\d+)(?:-w(\d+))?-d(\d+)-n(\d+)(?:-t([0-9.]+))?")
+
+
+def shape_options(name: str) -> dict:
+    """generate() options of a shape name (`SPECIAL`, `CHAIN`, `TREE`, or "ar")."""
+    if name == "ar":
+        return dict(route="ar")
+    if name in SPECIAL:
+        return dict(SPECIAL[name])
+    if m := CHAIN.fullmatch(name):
+        return dict(route="chain", chain_length=int(m[1]))
+    if m := TREE.fullmatch(name):
+        kw = dict(route="tree", tree_topk=int(m[1]), tree_depth=int(m[3]), tree_budget=int(m[4]))
+        if m[2]:
+            kw["tree_width"] = int(m[2])
+        if m[5]:
+            kw["tree_temperature"] = float(m[5])
+        return kw
+    raise SystemExit(f"unknown shape {name!r}: ar, chainL, tree-kK[-wW]-dD-nN[-tT] or one of {', '.join(SPECIAL)}")
 
 
 def main():
@@ -75,7 +75,7 @@ def main():
     ap.add_argument("--held-out", type=int, default=None,
                     help="N GSM8K training questions the drafter's data left out, instead of the suites' "
                          "prompts (`held_out_gsm8k`): to choose a shape on prompts no evaluation holds")
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=DEFAULT, help="comma-separated shape names (`shape_options`)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true", help="profile one more generation per shape")
@@ -83,6 +83,7 @@ def main():
     a = ap.parse_args()
     if a.replot:
         return plot(json.load(open(a.replot))["rows"], a.replot.removesuffix(".json") + ".png")
+    shapes = {name: shape_options(name) for name in a.shapes.split(",")}  # every name checked before anything loads
 
     lm = api.load()
     if a.held_out:
@@ -93,8 +94,7 @@ def main():
                    for i, p in enumerate(load_suite(s, limit=a.n_prompts))]
     warm = warm_set(((len(lm.encode_prompt(p)), p) for _, _, p in prompts), a.max_new_tokens)
     rows, records = [], {}
-    for name in a.shapes.split(","):
-        kw = dict(SHAPES[name])
+    for name, kw in shapes.items():
         ops.BEAM_EXPAND = kw.pop("beam_expand", "auto")  # both read when the rollout is traced
         ops.DRAFT_FUSED = kw.pop("draft_fused", "auto")
         verifier = kw.pop("tree_verifier", "auto")

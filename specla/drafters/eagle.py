@@ -500,16 +500,28 @@ class EagleDrafter(Drafter):
         self._drafting = True
         if not self.started:  # a one-token prompt: no feature to draft from yet
             return Draft(root[:, None], topology.chain(1, root.shape[0], device=dev))
-        self._reserve(self.entries)
         # selection and packing run on the device, inside the rollout's graph when there is one
         # (which runs every depth: a graph cannot stop early), so a round reads nothing back
         # before the verify
         if self.graphs:
+            self._reserve(self.entries)
             tokens, parents, valid = self._replay(root)
             return Draft(tokens, parents, valid=valid, static=True)
-        W = self._window()
-        tokens, parents, valid = self.draft(root, self.k[:, :, :W], self.v[:, :, :W])
+        tokens, parents, valid = self.draft(root, *self._rollout_cache())
         return Draft(tokens, parents, valid=valid)
+
+    @torch.no_grad()
+    def pool(self, root: torch.Tensor):
+        """The whole rollout from the committed state, before selection: the pool's tokens,
+        parents and scores [B, P] (`rollout`), eagerly — for studies of which nodes a tree
+        should keep (benchmarks/diagnostics/tree_policy.py)."""
+        return self.rollout(root, *self._rollout_cache())
+
+    def _rollout_cache(self):
+        """The cache's leading slots a rollout reads and writes, room for its entries reserved."""
+        self._reserve(self.entries)
+        W = self._window()
+        return self.k[:, :, :W], self.v[:, :, :W]
 
     def draft(self, root: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, graphed: bool = False):
         """Rollout, selection and packing: the verifier's (tokens, parents, valid). Eagerly the
