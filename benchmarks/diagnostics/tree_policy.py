@@ -2,7 +2,7 @@
 
 A greedy round's outcome depends only on where it starts: every accepted token is AR's, so the
 drafter's state after consuming x_0..x_t is the same whatever rounds led there. This runs AR
-once per prompt, then the drafter's full beam rollout (top-4, width 4, depth 12) at *every*
+once per prompt, then the drafter's full beam rollout (top-4, width 4, depth 12 unless asked) at *every*
 position of the continuation (teacher-forced: extend one token, roll out, extend the next),
 and labels each pool node correct when its path spells AR's next tokens. A selection policy is
 then a function from a pool to kept nodes, and its tokens a round come from replaying the
@@ -28,9 +28,10 @@ What it found (`tree_policy_*_cpu.json`): the fitted acceptance model keeps wors
 7.22 / 7.53), and so does any bonus or penalty for depth on q; and at depth 8 even every node
 the rollout proposes (116) would accept 7.35 tokens a round, 1.27x the 8-token chain's 5.78 —
 selection cannot reach the drafter issue's 1.3x there; depth 12 does (7.72 with the route's own
-rule, 1.34x). CPU, fp32:
+rule, 1.34x). Wider rollouts (--topk 8, --width 8; `tree_width_56692d7_cpu.json`) raise that
+bound (7.73 at depth 8) but not what 16 nodes chosen by q accept (6.64-6.65). CPU, fp32:
 
-    python benchmarks/diagnostics/tree_policy.py [--n-prompts 60] [--out FILE]
+    python benchmarks/diagnostics/tree_policy.py [--n-prompts 60] [--topk 4 --width 4] [--out FILE]
 """
 
 from __future__ import annotations
