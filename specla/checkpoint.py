@@ -16,6 +16,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from specla import hybrid_formats
 from specla.config import ModelConfig, from_fla_dict, load_config_dict, to_fla_dict
 from specla.errors import CheckpointError
 from specla.model import Model
@@ -85,16 +86,12 @@ def _canonical_to_fla(sd: dict, cfg: ModelConfig) -> dict:
     return {k: v.contiguous() for k, v in out.items()}
 
 
-FORMATS: dict[str, Format] = {"gated_deltanet": Format("fla", from_fla_dict, _fla_to_canonical)}
+FORMATS: dict[str, Format] = {"gated_deltanet": Format("fla", from_fla_dict, _fla_to_canonical),
+                               **{k: Format(*v) for k, v in hybrid_formats.FORMATS.items()}}
 
 
 def _format_for(d: dict) -> Format:
     mt = d.get("model_type")
-    if mt not in FORMATS:
-        try:  # hybrid formats register themselves on import
-            import specla.hybrid_formats  # noqa: F401
-        except ImportError:
-            pass
     if mt not in FORMATS:
         known = ", ".join(sorted(FORMATS))
         arch = ", ".join(d.get("architectures") or []) or "unknown"
@@ -128,6 +125,44 @@ def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     except (SafetensorError, OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"cannot read weights in {model_dir}: {e}") from None
     raise CheckpointError(f"{model_dir} has no {SINGLE} or {INDEX}")
+
+
+def read_mtp_state_dict(model_dir) -> dict[str, torch.Tensor]:
+    """Only the `mtp.*` tensors of a checkpoint directory (reads just the shards holding them)."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    if (model_dir / INDEX).is_file():
+        wm = json.loads((model_dir / INDEX).read_text()).get("weight_map") or {}
+        files: dict[str, list[str]] = {}
+        for k, f in wm.items():
+            if k.startswith("mtp."):
+                files.setdefault(f, []).append(k)
+    elif (model_dir / SINGLE).is_file():
+        with safe_open(str(model_dir / SINGLE), "pt") as fh:
+            files = {SINGLE: [k for k in fh.keys() if k.startswith("mtp.")]}
+    else:
+        raise CheckpointError(f"{model_dir} has no {SINGLE} or {INDEX}")
+    sd = {}
+    for f, keys in files.items():
+        with safe_open(str(model_dir / f), "pt") as fh:
+            for k in keys:
+                sd[k] = fh.get_tensor(k)
+    return sd
+
+
+def has_mtp(model_dir) -> bool:
+    """Whether a checkpoint directory carries `mtp.*` weights (without reading any tensor)."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    if (model_dir / INDEX).is_file():
+        wm = json.loads((model_dir / INDEX).read_text()).get("weight_map") or {}
+        return any(k.startswith("mtp.") for k in wm)
+    if (model_dir / SINGLE).is_file():
+        with safe_open(str(model_dir / SINGLE), "pt") as fh:
+            return any(k.startswith("mtp.") for k in fh.keys())
+    return False
 
 
 def load_config(model_dir) -> ModelConfig:

@@ -1,7 +1,6 @@
 """HF Qwen3-Next / Qwen3.5 checkpoints (transformers 5.x layout) -> specla's canonical model.
 
-Registered in `specla.checkpoint.FORMATS` on import (checkpoint imports this module lazily for
-model types it does not know). Keys are the `model_type` transformers writes:
+`FORMATS` (which `specla.checkpoint` registers) is keyed by the `model_type` transformers writes:
 
     qwen3_next        Qwen3NextForCausalLM     GDN (fused in_proj_qkvz / in_proj_ba) + attention, MoE / dense MLPs
     qwen3_5_text      Qwen3_5ForCausalLM       GDN (split in_proj_qkv / _z / _b / _a) + attention, dense MLPs
@@ -11,19 +10,16 @@ model types it does not know). Keys are the `model_type` transformers writes:
 
 What specla does not run is refused by name (`UnsupportedConfigError`); see docs/hybrid.md.
 `mtp.*` weights (multi-token prediction) are not part of the target: `specla.drafters.mtp`
-reads them with `read_mtp_state_dict` and converts them with `mtp_to_canonical`.
+reads them with `checkpoint.read_mtp_state_dict` and converts them with `mtp_to_canonical`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
-from pathlib import Path
 
 import torch
 
-from specla.checkpoint import FORMATS, INDEX, SINGLE, Format
 from specla.config import ATTENTION, GDN, ModelConfig, _eos_list
 from specla.errors import CheckpointError, UnsupportedConfigError
 
@@ -312,44 +308,6 @@ def qwen3_5_to_canonical(sd: dict, cfg: ModelConfig) -> dict:
 
 # MTP --------------------------------------------------------------------------------------
 
-def read_mtp_state_dict(model_dir) -> dict[str, torch.Tensor]:
-    """Only the `mtp.*` tensors of a checkpoint directory (reads just the shards holding them)."""
-    from safetensors import safe_open
-
-    model_dir = Path(model_dir)
-    if (model_dir / INDEX).is_file():
-        wm = json.loads((model_dir / INDEX).read_text()).get("weight_map") or {}
-        files: dict[str, list[str]] = {}
-        for k, f in wm.items():
-            if k.startswith("mtp."):
-                files.setdefault(f, []).append(k)
-    elif (model_dir / SINGLE).is_file():
-        with safe_open(str(model_dir / SINGLE), "pt") as fh:
-            files = {SINGLE: [k for k in fh.keys() if k.startswith("mtp.")]}
-    else:
-        raise CheckpointError(f"{model_dir} has no {SINGLE} or {INDEX}")
-    sd = {}
-    for f, keys in files.items():
-        with safe_open(str(model_dir / f), "pt") as fh:
-            for k in keys:
-                sd[k] = fh.get_tensor(k)
-    return sd
-
-
-def has_mtp(model_dir) -> bool:
-    """Whether a checkpoint directory carries `mtp.*` weights (without reading any tensor)."""
-    from safetensors import safe_open
-
-    model_dir = Path(model_dir)
-    if (model_dir / INDEX).is_file():
-        wm = json.loads((model_dir / INDEX).read_text()).get("weight_map") or {}
-        return any(k.startswith("mtp.") for k in wm)
-    if (model_dir / SINGLE).is_file():
-        with safe_open(str(model_dir / SINGLE), "pt") as fh:
-            return any(k.startswith("mtp.") for k in fh.keys())
-    return False
-
-
 def mtp_layer_count(sd: dict) -> int:
     ids = {int(m.group(1)) for k in sd if (m := re.match(r"^mtp\.layers\.(\d+)\.", k))}
     return max(ids) + 1 if ids else 0
@@ -388,10 +346,11 @@ def mtp_to_canonical(sd: dict, cfg: ModelConfig) -> tuple[dict, ModelConfig]:
     return out, mcfg
 
 
-FORMATS.update({
-    "qwen3_next": Format("qwen3_next", qwen3_next_config, qwen3_next_to_canonical),
-    "qwen3_5_text": Format("qwen3_5", qwen3_5_text_config, qwen3_5_to_canonical),
-    "qwen3_5": Format("qwen3_5", qwen3_5_config, qwen3_5_to_canonical),
-    "qwen3_5_moe_text": Format("qwen3_5_moe", qwen3_5_moe_text_config, qwen3_5_to_canonical),
-    "qwen3_5_moe": Format("qwen3_5_moe", qwen3_5_moe_config, qwen3_5_to_canonical),
-})
+# model_type -> (format name, config translation, weight-name translation)
+FORMATS = {
+    "qwen3_next": ("qwen3_next", qwen3_next_config, qwen3_next_to_canonical),
+    "qwen3_5_text": ("qwen3_5", qwen3_5_text_config, qwen3_5_to_canonical),
+    "qwen3_5": ("qwen3_5", qwen3_5_config, qwen3_5_to_canonical),
+    "qwen3_5_moe_text": ("qwen3_5_moe", qwen3_5_moe_text_config, qwen3_5_to_canonical),
+    "qwen3_5_moe": ("qwen3_5_moe", qwen3_5_moe_config, qwen3_5_to_canonical),
+}

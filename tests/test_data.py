@@ -12,14 +12,8 @@ from hypothesis import strategies as st
 
 from specla.data import corpus as C
 from specla.data.suites import SUITES, Prompt, benchmark_texts, load_gsm8k_train, load_suite
-from specla.data.tokenizer import (
-    BOS,
-    CHAT_TEMPLATE,
-    EOS,
-    SPECIAL_TOKENS,
-    load_tokenizer,
-    render_chat,
-)
+from specla.data.chat import BOS, CHAT_TEMPLATE, EOS, SPECIAL_TOKENS, render_chat
+from specla.data.tokenizer import load_tokenizer
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "specla" / "models" / "demo"
 

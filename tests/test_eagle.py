@@ -361,7 +361,7 @@ def test_opening_turns():
 
 
 def test_prompt_corpus_picks_the_same_prompts(tmp_path):
-    from specla.data.tokenizer import render_chat
+    from specla.data.chat import render_chat
 
     src = tmp_path / "corpus"
     src.mkdir()
@@ -380,7 +380,7 @@ def test_prompt_corpus_picks_the_same_prompts(tmp_path):
 
 def test_collect_responses(tmp_path):
     """End to end on a tiny target with the demo tokenizer and a two-source corpus."""
-    from specla.data.tokenizer import render_chat
+    from specla.data.chat import render_chat
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()

@@ -407,7 +407,7 @@ def test_transformers_4_style_config(checkpoints, tmp_path):
              full_attention_interval=2)
     old = load_config(_write_config(tmp_path, d))
     assert old == new
-    from specla.hybrid_formats import has_mtp
+    from specla.checkpoint import has_mtp
 
     assert has_mtp(path) and new.mtp_num_layers == 0  # transformers writes no MTP count; the weights decide
 
@@ -443,7 +443,7 @@ def test_multimodal_qwen3_5_config(checkpoints, tmp_path):
 
 def test_mtp_with_two_layers_is_refused(checkpoints, tmp_path):
     from specla.drafters.mtp import MTPDrafter
-    from specla.hybrid_formats import read_mtp_state_dict
+    from specla.checkpoint import read_mtp_state_dict
 
     path, _ = checkpoints["qwen3_5"]
     model = load_model(path)

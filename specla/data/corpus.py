@@ -10,7 +10,7 @@ Sources (see docs/data.md for licences):
 ``stdlib``    Python standard-library sources (``*.py``; no test suites, no generated files).
 
 Every output document is the exact text the model trains on: conversations are
-rendered with :func:`specla.data.tokenizer.render_chat` (they start with ``<|bos|>``
+rendered with :func:`specla.data.chat.render_chat` (they start with ``<|bos|>``
 and each assistant turn ends with ``<|eos|>``); plain documents are
 ``<|bos|>`` + text + ``<|eos|>``. Tokenise with special tokens recognised and
 concatenate.
@@ -39,7 +39,7 @@ from typing import Callable, Iterable, Iterator, Mapping, Sequence
 from specla.errors import MissingDataError
 
 from .suites import benchmark_texts, load_gsm8k_train
-from .tokenizer import BOS, EOS, SPECIAL_TOKENS, render_chat
+from .chat import BOS, EOS, SPECIAL_TOKENS, render_chat
 
 __all__ = [
     "SOURCES",

@@ -1,21 +1,8 @@
-"""Demo tokenizer: training, chat template, and a small loader for any HF tokenizer dir.
+"""Demo tokenizer: training it on the corpus, and a small loader for any HF tokenizer dir.
 
-Chat format (the single source of truth is :func:`render_chat`; :data:`CHAT_TEMPLATE`
-is its Jinja mirror, stored in ``tokenizer_config.json``)::
-
-    <|bos|>
-    <|system|>\\n{content}\\n            (system and user turns end with "\\n")
-    <|user|>\\n{content}\\n
-    <|assistant|>\\n{content}<|eos|>    (assistant turns end with <|eos|>)
-    ...
-    <|assistant|>\\n                    (generation prompt, if requested)
-
-``<|eos|>`` ends both a document and an assistant turn, so generation stops on it and
-``render(turns[:k], add_generation_prompt=True) + reply + "<|eos|>"`` is always a prefix
-of ``render(turns)``: multi-turn prompts never re-tokenise earlier turns differently.
-
-The tokenizer is a byte-level BPE (HF ``tokenizers``) with no normaliser and no
-post-processor, so ``decode(encode(s)) == s`` for every string ``s``.
+The chat format it is trained and saved with is `specla.data.chat`. The tokenizer is a
+byte-level BPE (HF ``tokenizers``) with no normaliser and no post-processor, so
+``decode(encode(s)) == s`` for every string ``s``.
 """
 
 from __future__ import annotations
@@ -24,83 +11,23 @@ import functools
 import json
 import os
 import random
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+from specla.data.corpus import iter_documents, read_manifest
+from specla.data.chat import BOS, CHAT_TEMPLATE, EOS, PAD, ROLE_TOKENS, SPECIAL_TOKENS, strip_special_tokens
 from specla.errors import MissingDataError
 
 __all__ = [
-    "BOS",
-    "EOS",
-    "PAD",
-    "ROLES",
-    "ROLE_TOKENS",
-    "SPECIAL_TOKENS",
-    "CHAT_TEMPLATE",
     "MODEL_MAX_LENGTH",
-    "render_chat",
-    "strip_special_tokens",
     "train_tokenizer",
     "save_tokenizer_files",
     "load_tokenizer",
     "TokenizerWrapper",
 ]
 
-BOS = "<|bos|>"
-EOS = "<|eos|>"
-PAD = "<|pad|>"
-ROLES: tuple[str, ...] = ("system", "user", "assistant")
-ROLE_TOKENS: dict[str, str] = {r: f"<|{r}|>" for r in ROLES}
-#: All special tokens, in id order (ids 0..5 in the demo tokenizer).
-SPECIAL_TOKENS: tuple[str, ...] = (BOS, EOS, PAD, *ROLE_TOKENS.values())
 MODEL_MAX_LENGTH = 4096
-
-# Jinja mirror of render_chat (transformers renders with trim_blocks/lstrip_blocks;
-# the template is a single line so those settings do not matter).
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('unknown chat role: ' + message['role']) }}"
-    "{% endif %}"
-    "{{ '<|' + message['role'] + '|>' + '\\n' + message['content'] }}"
-    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% else %}{{ '\\n' }}{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>' + '\\n' }}{% endif %}"
-)
-
-_SPECIAL_RE = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
-
-
-def render_chat(turns: Sequence[Mapping[str, str]], add_generation_prompt: bool = False) -> str:
-    """Render ``turns`` (dicts with ``role`` in system/user/assistant and ``content``).
-
-    This is the reference semantics of the demo chat template; the Jinja template
-    :data:`CHAT_TEMPLATE` produces exactly the same text.
-    """
-    parts = [BOS]
-    for i, turn in enumerate(turns):
-        role = turn["role"]
-        content = turn["content"]
-        if role not in ROLE_TOKENS:
-            raise ValueError(f"unknown chat role {role!r} in turn {i}; valid roles: {', '.join(ROLES)}")
-        if not isinstance(content, str):
-            raise TypeError(f"turn {i}: content must be a string, got {type(content).__name__}")
-        parts.append(ROLE_TOKENS[role])
-        parts.append("\n")
-        parts.append(content)
-        parts.append(EOS if role == "assistant" else "\n")
-    if add_generation_prompt:
-        parts.append(ROLE_TOKENS["assistant"] + "\n")
-    return "".join(parts)
-
-
-def strip_special_tokens(text: str) -> list[str]:
-    """Split ``text`` on the demo special tokens and return the non-empty pieces."""
-    return [p for p in _SPECIAL_RE.split(text) if p]
-
 
 # --------------------------------------------------------------------------- training
 
@@ -108,8 +35,6 @@ def strip_special_tokens(text: str) -> list[str]:
 def _iter_training_text(corpus_dir: Path, max_chars: int | None, seed: int) -> Iterator[str]:
     """The training split (or a seeded random sample of about ``max_chars`` characters
     of its documents, every source in proportion), special tokens removed."""
-    from .corpus import iter_documents, read_manifest
-
     manifest = read_manifest(corpus_dir)
     total = int(manifest["splits"]["train"]["chars"]) or 1
     keep = 1.0 if max_chars is None else min(1.0, max_chars / total)

@@ -29,10 +29,11 @@ import torch
 import torch.nn as nn
 
 from specla import topology
+from specla.checkpoint import has_mtp, read_mtp_state_dict
 from specla.config import ModelConfig
 from specla.drafters.base import Draft, DraftContext, Drafter, grown, kv_room
 from specla.errors import CheckpointError
-from specla.hybrid_formats import mtp_to_canonical, read_mtp_state_dict
+from specla.hybrid_formats import mtp_to_canonical
 from specla.model import Block, Model, RMSNorm
 from specla.state import KVLayerState
 
@@ -104,8 +105,6 @@ class MTPDrafter(Drafter):
     @classmethod
     def from_checkpoint(cls, model_dir, target: Model, length: int = 3) -> "MTPDrafter":
         """The MTP drafter of checkpoint `model_dir`, whose target `target` is already loaded."""
-        from specla.hybrid_formats import has_mtp
-
         if model_dir is None or not has_mtp(model_dir):
             raise CheckpointError(f"route mtp needs a checkpoint with multi-token-prediction weights (mtp.*); "
                                   f"{model_dir} has none")

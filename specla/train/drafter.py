@@ -118,7 +118,7 @@ def prompt_corpus(corpus_dir, out_dir) -> dict:
     import lzma
 
     from specla.data.corpus import iter_records
-    from specla.data.tokenizer import render_chat
+    from specla.data.chat import render_chat
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
