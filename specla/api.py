@@ -115,11 +115,11 @@ class SpecLA:
         dev = resolve_device(device)
         model = load_model(model_dir, device=dev, dtype=resolve_dtype(dtype, dev))
         if compile is not None:
-            from specla.fused import MODES
+            from specla.fused import MODES, fuse
 
             if compile not in MODES:
                 raise InputError(f"unknown compile mode {compile!r}; choose one of {', '.join(MODES)}")
-            model.fuse(mode=compile)
+            fuse(model, mode=compile)
         try:
             tokenizer = load_tokenizer(model_dir)
         except FileNotFoundError as e:

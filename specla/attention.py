@@ -39,27 +39,9 @@ from specla import topology
 from specla.config import ModelConfig
 from specla.errors import UnsupportedConfigError
 from specla.graphs import capturing
+from specla.layers import RMSNorm
+from specla.rotary import apply_rotary, rotary_inv_freq
 from specla.state import KVLayerState, KVRecord
-
-
-def rotary_inv_freq(rot_dim: int, theta: float, dtype: torch.dtype) -> torch.Tensor:
-    """1 / theta^(2i / rot_dim), computed as transformers does (fp32), in fp64 for fp64 models."""
-    ct = torch.float64 if dtype == torch.float64 else torch.float32
-    return 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).to(ct) / rot_dim))
-
-
-def apply_rotary(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate the first 2 * len(inv_freq) dims of x [B, n, H, D] (half-split pairs) by pos [B, n]."""
-    rot = 2 * inv_freq.shape[0]
-    if rot == 0:
-        return x
-    freqs = pos[..., None].to(inv_freq.dtype) * inv_freq  # [B, n, rot/2]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    cos, sin = emb.cos().to(x.dtype)[:, :, None], emb.sin().to(x.dtype)[:, :, None]
-    xr, xp = x[..., :rot], x[..., rot:]
-    x1, x2 = xr[..., : rot // 2], xr[..., rot // 2:]
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return torch.cat([xr * cos + rotated * sin, xp], dim=-1)
 
 
 class GatedAttention(nn.Module):
@@ -67,8 +49,6 @@ class GatedAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        from specla.model import RMSNorm  # model imports this module lazily
-
         self.cfg = cfg
         self.Hq, self.Hkv, self.D = cfg.attn_num_heads, cfg.attn_num_kv_heads, cfg.attn_head_dim
         if self.Hq <= 0 or self.Hkv <= 0 or self.D <= 0:

@@ -3,7 +3,7 @@
 `Model.forward` / `Model.verify` in plain PyTorch launch ~50 small kernels per GDN layer
 (fp32 RMSNorms, l2norms, softplus/exp gates, the gated output norm, SwiGLU, conv-state
 shuffling, dtype casts). At batch 1 a decode step is launch-bound even inside a CUDA graph
-(DESIGN §6: 4.03 ms per AR step against a 0.70 ms weight floor). `Model.fuse()` (or
+(DESIGN §6: 4.03 ms per AR step against a 0.70 ms weight floor). `fuse(model)` (or
 `SPECLA_COMPILE=1`, applied when a target is built, `specla.engine`) routes the decode-time
 calls through this module instead:
 
@@ -49,7 +49,7 @@ Inductor is told to round like eager (`emulate_precision_casts`), so the fused p
 the plain one up to the accumulation order of reductions: fp32 runs agree to ~1e-6, bf16
 runs to bf16 rounding.
 
-Modes (`SPECLA_COMPILE` or `Model.fuse(mode=...)`): `default` (Inductor's Triton kernels for
+Modes (`SPECLA_COMPILE` or `fuse(model, mode=...)`): `default` (Inductor's Triton kernels for
 the glue, cuBLAS for the matmuls), `max-autotune` (also lets Inductor autotune Triton matmul
 templates against cuBLAS and fuse epilogues into them; much longer compiles).
 """
@@ -64,8 +64,11 @@ import torch
 import torch.nn.functional as F
 
 from specla import ops
+from specla.layers import GatedMLP
+from specla.model import GatedDeltaNet, ModelOutput
 from specla.ops.conv import naive as conv_ref
 from specla.ops.gdn import naive as gdn_ref
+from specla.precision import accumulation_dtype
 from specla.state import GDNRecord
 
 ENV = "SPECLA_COMPILE"
@@ -87,6 +90,14 @@ def env_mode() -> str | None:
     raise ValueError(f"{ENV}={v!r}: use 0, 1 or one of {', '.join(MODES)}")
 
 
+def fuse(model, enable: bool = True, **options):
+    """Opt `model` in to the fused decode path (AR steps and verifies through torch.compile'd
+    per-layer regions; options: `FusedModel`'s); `fuse(model, False)` returns it to the plain
+    path. Returns the model."""
+    model._fused = FusedModel(model, **options) if enable else None
+    return model
+
+
 def maybe_fuse(model) -> None:
     """Fuse `model` when `SPECLA_COMPILE` asks for it (called when a target is built);
     `SPECLA_COMPILE_DYNAMIC=0` compiles one static graph per verify size instead of one
@@ -96,7 +107,7 @@ def maybe_fuse(model) -> None:
     mode = env_mode()
     if mode is not None and getattr(model, "_fused", None) is None:
         dyn = os.environ.get(ENV + "_DYNAMIC", "1").strip().lower() not in ("0", "false", "no", "off")
-        model.fuse(mode=mode, dynamic_tokens=dyn, gemv=os.environ.get(ENV + "_GEMV", "cublas").strip().lower())
+        fuse(model, mode=mode, dynamic_tokens=dyn, gemv=os.environ.get(ENV + "_GEMV", "cublas").strip().lower())
 
 
 def _options(mode: str) -> dict:
@@ -170,7 +181,7 @@ def no_compiles():
 
 
 def mode_of(model) -> str | None:
-    """The compile mode of a fused model (`Model.fuse`, `SPECLA_COMPILE`); None when plain."""
+    """The compile mode of a fused model (`fuse`, `SPECLA_COMPILE`); None when plain."""
     fz = getattr(model, "_fused", None)
     return fz.mode if fz is not None and fz.compile else None
 
@@ -194,7 +205,7 @@ def compile_for_graph(fn, mode: str | None, dynamic: bool = False, fullgraph: bo
 # ---- pure functions of a layer's tensors (compiled) ------------------------------------------
 
 def _rms(x, w, eps: float, zc: bool):
-    """`model.RMSNorm.forward` with the weight as an argument."""
+    """`layers.RMSNorm.forward` with the weight as an argument."""
     xf = x if x.dtype == torch.float64 else x.float()
     y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
     w = w.to(y.dtype)
@@ -383,9 +394,6 @@ class FusedModel:
 
     def __init__(self, model, mode: str = "default", concat_mlp: bool = True, max_shapes: int = 16,
                  compile: bool = True, dynamic_tokens: bool = True, gemv: str = "cublas"):
-        from specla.model import GatedDeltaNet, GatedMLP
-        from specla.precision import accumulation_dtype
-
         if mode not in MODES:
             raise ValueError(f"unknown fuse mode {mode!r}; choose one of {', '.join(MODES)}")
         if gemv not in GEMVS:
@@ -430,8 +438,6 @@ class FusedModel:
     def run(self, tokens, cache, capture=(), parents=None, chain=False, valid=None):
         """forward (parents None: consume the tokens, advance the cache) or verify (`chain`:
         the topology is a chain, `Model.verify`)."""
-        from specla.model import ModelOutput
-
         m = self.model
         x, r = m.embeddings(tokens), None  # r: the last MLP output, not yet added to x
         if self.dynamic_tokens and tokens.shape[1] > 1:

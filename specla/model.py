@@ -18,50 +18,12 @@ from specla import ops
 from specla.ops.gdn.naive import factors as gdn_factors
 from specla.ops.gdn.naive import mask_padding
 from specla.ops.norm.naive import gated as gated_rms_norm  # the GDN output norm
+from specla.attention import GatedAttention
 from specla.config import ATTENTION, ModelConfig
+from specla.layers import GatedMLP, RMSNorm
+from specla.moe import SparseMoE
 from specla.precision import accumulation_dtype
 from specla.state import Cache, GDNLayerState, GDNRecord, KVLayerState
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, zero_centered: bool = False):
-        super().__init__()
-        self.eps = eps
-        self.zero_centered = zero_centered
-        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float() if x.dtype != torch.float64 else x
-        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-        w = self.weight.to(y.dtype)
-        return (y * (1 + w if self.zero_centered else w)).to(x.dtype)
-
-
-class GatedMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-        self._gu, self._gu_key = None, None
-
-    def forward(self, x, gate_up: torch.Tensor | None = None):
-        """gate_up: `gate_up_weight()`, gate and up as one matmul instead of two."""
-        if gate_up is None:
-            g, u = ops.linear(x, self.gate_proj.weight), ops.linear(x, self.up_proj.weight)
-        else:
-            g, u = ops.linear(x, gate_up).chunk(2, -1)
-        return ops.linear(F.silu(g) * u, self.down_proj.weight)
-
-    def gate_up_weight(self) -> torch.Tensor:
-        """A detached copy of [gate_proj; up_proj] for decoding (training keeps the two), rebuilt
-        when the weights change (moved, cast, edited in place); it costs their memory once more."""
-        g, u = self.gate_proj.weight, self.up_proj.weight
-        key = (g.data_ptr(), g._version, u.data_ptr(), u._version, g.dtype)
-        if key != self._gu_key:
-            self._gu, self._gu_key = torch.cat([g.detach(), u.detach()], 0), key
-        return self._gu
 
 
 class GatedDeltaNet(nn.Module):
@@ -154,16 +116,12 @@ class GatedDeltaNet(nn.Module):
 
 def make_mixer(cfg: ModelConfig, layer: int) -> nn.Module:
     if cfg.layer_types[layer] == ATTENTION:
-        from specla.attention import GatedAttention
-
         return GatedAttention(cfg)
     return GatedDeltaNet(cfg)
 
 
 def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
     if cfg.is_moe_layer(layer):
-        from specla.moe import SparseMoE
-
         return SparseMoE(cfg)
     return GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
@@ -225,14 +183,6 @@ class Model(nn.Module):
 
     def _head(self, x, hidden):
         return ModelOutput(self.lm_head(self.norm(x)), hidden)
-
-    def fuse(self, enable: bool = True, **options) -> "Model":
-        """Opt in to the fused decode path (`specla.fused`: AR steps and verifies through
-        torch.compile'd per-layer regions); `fuse(False)` returns to the plain path."""
-        from specla.fused import FusedModel
-
-        self._fused = FusedModel(self, **options) if enable else None
-        return self
 
     def train_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Differentiable logits [B, T, vocab] from an empty state (training; pure GDN stacks)."""

@@ -22,14 +22,13 @@ import torch.nn.functional as F
 
 from specla.config import ModelConfig
 from specla.errors import UnsupportedConfigError
+from specla.layers import GatedMLP
 from specla.precision import accumulation_dtype
 
 
 class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        from specla.model import GatedMLP  # model imports this module lazily
-
         E, k, I, D = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.hidden_size
         if E <= 0 or not 0 < k <= E or I <= 0:
             raise UnsupportedConfigError(

@@ -21,6 +21,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from specla import ops  # noqa: E402
+from specla.fused import fuse  # noqa: E402
 from specla.decode import Decoder  # noqa: E402
 from specla.drafters.ngram import NgramDrafter  # noqa: E402
 from specla.state import GDNLayerState  # noqa: E402
@@ -145,7 +146,7 @@ def default_chains_equal_ar(seed):
     check is bitwise either way."""
     cfg = tiny_config(seed, vocab_size=256, num_hidden_layers=2)
     model = random_model(cfg, seed, dtype=torch.float32)
-    model.fuse(mode="default", compile=False, gemv="invariant")
+    fuse(model, mode="default", compile=False, gemv="invariant")
     prompt = make_prompt(cfg, seed, 8)
     with ops.backend("triton"):
         ar_rows, _, ar_cache = Decoder(model).run(torch.tensor([prompt]), 24)

@@ -350,9 +350,10 @@ def test_decode_fused_vs_plain_compares_the_two_paths():
     from specla import ops
     from specla.bench.decode import _fused_vs_plain
     from specla.bench.trees import beam_tree
+    from specla.fused import fuse
     from specla.shapes import random_model
 
-    model = random_model("tiny", device="cpu", dtype=torch.float32).fuse(compile=False)
+    model = fuse(random_model("tiny", device="cpu", dtype=torch.float32), compile=False)
     fused = model._fused
     with ops.backend("triton"):  # the fused path's Triton kernels, under the interpreter
         res = _fused_vs_plain(model, list(range(3, 12)), beam_tree(2, 3, 5))

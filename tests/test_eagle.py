@@ -625,16 +625,16 @@ def test_compiled_graphed_drafting_equals_eager(monkeypatch):
 
 def test_drafter_graphs_follow_the_target_fusion():
     """No compile mode of its own: the drafter's graphs compile exactly when the target is
-    fused (`Model.fuse`, or SPECLA_COMPILE when a target is built)."""
+    fused (`fused.fuse`, or SPECLA_COMPILE when a target is built)."""
     cfg = tiny_config(1)
     model = random_model(cfg, 1)
     d = EagleDrafter(random_drafter(cfg, 1), model)
     assert fused.mode_of(model) is None and d._graph_fns()[2] is contextlib.nullcontext
-    model.fuse()  # builds the regions; nothing compiles until a call
+    fused.fuse(model)  # builds the regions; nothing compiles until a call
     try:
         assert fused.mode_of(model) == "default" and d._graph_fns()[2] is fused.no_compiles
     finally:
-        model.fuse(False)
+        fused.fuse(model, False)
 
 
 @pytest.mark.parametrize("n", [1, 4])

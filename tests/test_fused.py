@@ -1,4 +1,4 @@
-"""The fused decode path (`specla.fused`, `Model.fuse()`) against the plain path, on CPU.
+"""The fused decode path (`specla.fused`, `fused.fuse(model)`) against the plain path, on CPU.
 
 - The regions run uncompiled (what torch.compile sees) on varied tiny configs, hybrid and MoE
   stacks included: logits, captured hidden states, factor records and caches match the plain
@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from specla import topology
+from specla.fused import fuse
 from specla.config import ATTENTION, GDN
 from specla.decode import Decoder
 from specla.drafters.base import Draft, DraftContext, Drafter
@@ -53,11 +54,11 @@ def _compare(model, fused_kw, seed=0, tol=1e-10, capture=(0,)):
     tokens = torch.randint(0, V, (1, 6), generator=g)
     parents = torch.tensor([[-1, 0, 1, 0, 3, 1]])
     chunk = torch.randint(0, V, (1, 5), generator=g)
-    model.fuse(False)
+    fuse(model, False)
     a = _run(model, prompt, root, tokens, parents, capture, chunk)
-    model.fuse(**fused_kw)
+    fuse(model, **fused_kw)
     b = _run(model, prompt, root, tokens, parents, capture, chunk)
-    model.fuse(False)
+    fuse(model, False)
     diff = {}
     for name, (x, y) in {"step": (a[0].logits, b[0].logits), "verify": (a[1].logits, b[1].logits),
                          "padded": (a[3].logits[:, :3], b[3].logits[:, :3])}.items():
@@ -96,7 +97,7 @@ def test_uncompiled_triton_gemv_equals_plain(seed):
     with ops.backend("triton"):
         _compare(random_model(cfg, seed).float(), dict(compile=False, gemv="triton"), seed, tol=1e-5, capture=(0,))
     with pytest.raises(ValueError, match="gemv"):
-        random_model(cfg, seed).fuse(compile=False, gemv="cutlass")
+        fuse(random_model(cfg, seed), compile=False, gemv="cutlass")
 
 
 def _hybrid_cfg(moe: bool):
@@ -120,7 +121,7 @@ def test_which_shapes_take_the_fused_path():
 
     model = random_model(tiny_config(2), 2)
     z = lambda n: torch.zeros(1, n, dtype=torch.long)  # noqa: E731
-    model.fuse(compile=False, max_shapes=2, dynamic_tokens=False)
+    fuse(model, compile=False, max_shapes=2, dynamic_tokens=False)
     f = model._fused
     assert not f.takes(z(5), verify=False)  # static shapes: prefill stays plain
     assert f.takes(z(1), verify=False)
@@ -128,7 +129,7 @@ def test_which_shapes_take_the_fused_path():
     assert not f.takes(z(10), verify=True)  # past max_shapes
     assert f.takes(z(9), verify=True)
     assert not f.takes(z(1000), verify=True)  # past MAX_TOKENS
-    model.fuse(compile=False, max_shapes=3)  # dynamic tokens: every verify (prefill) size is one shape
+    fuse(model, compile=False, max_shapes=3)  # dynamic tokens: every verify (prefill) size is one shape
     f = model._fused
     assert all(f.takes(z(n), verify=True) for n in (2, 9, 10, 17, 33))
     assert f.takes(z(1), verify=False) and all(f.takes(z(n), verify=False) for n in (3, 70, MAX_PREFILL))
@@ -216,17 +217,17 @@ def test_compiled_triton_gemv_equals_plain_fp32(tiny_fp32):
 def test_compiled_decode_greedy_tokens_equal(tiny_fp32):
     model = tiny_fp32
     prompt = torch.randint(0, model.cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(1)).tolist()
-    model.fuse(False)
+    fuse(model, False)
     ar = Decoder(model, graphs=False).generate(prompt, 24).tokens
     drafter = ChainOracle(prompt + ar, model.cfg.vocab_size, length=5)  # verify shape [1, 6], as above
     chain = Decoder(model, drafter, graphs=False).generate(prompt, 24)
-    model.fuse()
+    fuse(model)
     try:
         ar_fused = Decoder(model, graphs=False).generate(prompt, 24).tokens
         drafter = ChainOracle(prompt + ar, model.cfg.vocab_size, length=5)
         chain_fused = Decoder(model, drafter, graphs=False).generate(prompt, 24)
     finally:
-        model.fuse(False)
+        fuse(model, False)
     assert ar_fused == ar
     assert chain_fused.tokens == chain.tokens == ar
     assert chain_fused.mean_accepted_length > 1.5
@@ -243,14 +244,14 @@ def test_compiled_dynamic_tokens_one_graph_for_all_sizes(tiny_fp32):
     before = du.counters["stats"]["unique_graphs"]
     for n in (3, 9):
         cache = model.new_cache(1, 64)
-        model.fuse(False)
+        fuse(model, False)
         model.forward(torch.tensor([[1, 2, 3]]), cache)
         tokens = torch.arange(n)[None] + 5
         parents = torch.tensor([[-1] + [max(0, j - 2) for j in range(1, n)]])
         plain = model.verify(tokens, parents, cache.clone()).logits
-        model.fuse(dynamic_tokens=True)
+        fuse(model, dynamic_tokens=True)
         fused = model.verify(tokens, parents, cache).logits
-        model.fuse(False)
+        fuse(model, False)
         assert (plain - fused).abs().max() < 1e-5
     assert du.counters["stats"]["unique_graphs"] == before
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from specla.fused import fuse
 from specla.state import GDNLayerState, store_pending
 
 from conftest import random_model, tiny_config
@@ -51,7 +52,7 @@ def test_delayed_rounds_with_bank_equal_immediate(fused):
     and every verify (plain or fused, which clears the lengths with one kernel) folds it."""
     model = random_model(tiny_config(2, num_hidden_layers=3), 2)
     if fused:
-        model.fuse(compile=False)
+        fuse(model, compile=False)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, model.cfg.vocab_size, (2, 5), generator=g)
     caches = {d: model.new_cache(2, 64) for d in (True, False)}

@@ -73,18 +73,18 @@ def test_block_drafters_equal_ar(kind, seed):
 
 @pytest.mark.parametrize("kind", ["dspark", "ready"])
 def test_block_drafters_on_the_fused_path_equal_ar(kind):
-    """The fused decode path (`Model.fuse`, the regions uncompiled: what torch.compile sees) feeds
+    """The fused decode path (`fused.fuse`, the regions uncompiled: what torch.compile sees) feeds
     block drafters the same features and committed states: float64 tokens and state equal AR's."""
     cfg = tiny_config(2, vocab_size=24)
     model = random_model(cfg, 2)
     m = block_model(kind, cfg, 2)
     prompt = torch.tensor([make_prompt(cfg, 2, 9)])
     ar_rows, _, ar_cache = Decoder(model).run(prompt, NEW)
-    model.fuse(compile=False)
+    fused.fuse(model, compile=False)
     try:
         rows, res, cache = Decoder(model, make_drafter(kind, m, model)).run(prompt, NEW)
     finally:
-        model.fuse(False)
+        fused.fuse(model, False)
     assert rows == ar_rows
     assert_same_state(cache, ar_cache)
     assert sum(r.accepted for r in res.rounds) > 0

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from specla import ops
+from specla.fused import fuse
 from specla.bench.common import environment, graph_time_ms
 from specla.checkpoint import load_model
 from specla.shapes import random_model
@@ -210,12 +211,12 @@ def main(argv=None) -> int:
                                    [("fused_invariant_eager", "invariant")])
     for name, gemv in options:
         if gemv is None:
-            model.fuse(False)
+            fuse(model, False)
         else:
-            model.fuse(mode="default", gemv=gemv, compile=cuda)
+            fuse(model, mode="default", gemv=gemv, compile=cuda)
         result["model_runs"][name] = whole_model(model, prompt, tree)
         print(name, json.dumps(result["model_runs"][name]), flush=True)
-    model.fuse(False)
+    fuse(model, False)
     if cuda:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -40,6 +40,7 @@ from specla.bench.trees import beam_tree
 from specla.decode import EXACT_WIDTH, Decoder
 from specla.drafters.base import Draft, DraftContext, Drafter
 from specla.engine import EagerTarget, GraphTarget
+from specla.fused import fuse
 from specla.shapes import random_model
 
 
@@ -124,7 +125,7 @@ def run(shape: str = "gdn-1.3b-paper", runs: int = 50, new_tokens: int = 128, pr
         tree: tuple[int, int, int] = (4, 4, 16), quick: bool = False, compile: str | None = None,
         seed: int = 0, exact: bool = True, gemv: str = "cublas", name: str = "agreement",
         out_dir=RESULTS) -> dict:
-    """`compile` ('default' / 'max-autotune') fuses the target (`Model.fuse`, its products run
+    """`compile` ('default' / 'max-autotune') fuses the target (`fused.fuse`, its products run
     the `gemv` way: `fused.GEMVS`), as does SPECLA_COMPILE; the fused path then serves AR and
     both routes. `exact`: also run AR and both routes in exact mode (`chain+exact`,
     `tree+exact`, compared with exact-mode AR). `name`: the result file's stem."""
@@ -135,7 +136,7 @@ def run(shape: str = "gdn-1.3b-paper", runs: int = 50, new_tokens: int = 128, pr
         runs, new_tokens, prompt_len = min(runs, 2), min(new_tokens, 16), min(prompt_len, 16)
     model = random_model(shape, device=dev, dtype=dtype, seed=seed)
     if compile:
-        model.fuse(mode=compile, gemv=gemv)
+        fuse(model, mode=compile, gemv=gemv)
     V = model.cfg.vocab_size
     max_len = prompt_len + new_tokens + 64
     ar_target = GraphTarget(model, 1, max_len, 1, True) if graphs else EagerTarget(model, 1, max_len)

@@ -50,6 +50,7 @@ from specla.decode import _Reader, _sync
 from specla.drafters.base import DraftContext
 from specla.drafters.eagle import EagleConfig, EagleDrafter, EagleDrafterModel
 from specla.fused import env_mode as fused_env_mode
+from specla.fused import fuse
 from specla.shapes import random_model
 
 PS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
@@ -201,7 +202,7 @@ def run(shape: str = "gdn-1.3b-paper", device: str = "cuda", dtype: torch.dtype 
         compile: str | None = None, dynamic_tokens: bool = True, gemv: str = "cublas", seed: int = 0,
         out_dir=RESULTS, name: str = "controlled") -> dict:
     """The controlled study; `compile` ('default' / 'max-autotune') fuses the target
-    (`Model.fuse`, its matmuls run the `gemv` way), as does SPECLA_COMPILE. Fused, `dynamic_tokens` compiles one verify graph
+    (`fused.fuse`, its matmuls run the `gemv` way), as does SPECLA_COMPILE. Fused, `dynamic_tokens` compiles one verify graph
     per region for all chain lengths (else one per length: 8 times the compile time)."""
     dev = torch.device(device)
     graphs = dev.type == "cuda"
@@ -212,7 +213,7 @@ def run(shape: str = "gdn-1.3b-paper", device: str = "cuda", dtype: torch.dtype 
     model = random_model(shape, device=dev, dtype=dtype, seed=seed)
     mode = compile or fused_env_mode()
     if mode:
-        model.fuse(mode=mode, dynamic_tokens=dynamic_tokens, gemv=gemv)
+        fuse(model, mode=mode, dynamic_tokens=dynamic_tokens, gemv=gemv)
     elif gemv != "cublas":
         raise ValueError(f"gemv={gemv!r} needs a fused target (--compile or SPECLA_COMPILE)")
     g = torch.Generator().manual_seed(seed)

@@ -41,12 +41,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from specla import fused, graphs
-from specla.attention import apply_rotary, rotary_inv_freq
 from specla.config import ModelConfig
 from specla.drafters.base import Draft, DraftContext, Drafter, attention_window, grown, kv_room
 from specla.drafters.eagle import check_fits_target, default_feature_layers
 from specla.errors import CheckpointError, InputError
-from specla.model import GatedMLP, Model, RMSNorm
+from specla.layers import GatedMLP, RMSNorm
+from specla.model import Model
+from specla.rotary import apply_rotary, rotary_inv_freq
 from specla.precision import accumulation_dtype
 
 MODEL_TYPE = "specla_dspark"

@@ -34,7 +34,8 @@ from specla.config import ModelConfig
 from specla.drafters.base import Draft, DraftContext, Drafter, grown, kv_room
 from specla.errors import CheckpointError
 from specla.hybrid_formats import mtp_to_canonical
-from specla.model import Block, Model, RMSNorm
+from specla.layers import RMSNorm
+from specla.model import Block, Model
 from specla.state import KVLayerState
 
 

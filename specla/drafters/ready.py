@@ -34,7 +34,8 @@ from specla.config import ModelConfig
 from specla.drafters.dspark import (DSparkConfig, DSparkDrafter, DSparkModel, find_block_drafter,
                                     load_block_drafter)
 from specla.errors import CheckpointError, InputError
-from specla.model import Model, RMSNorm
+from specla.layers import RMSNorm
+from specla.model import Model
 from specla.ops import reader as reader_ops
 
 MODEL_TYPE = "specla_ready"

@@ -73,7 +73,7 @@ def _draft_case(B, H, D, R, depth, width, lengths, W, dtype, seed):
     of one qkv tensor (as the drafter's), a cache of W + 3 slots whose window is its first W,
     per-row lengths, and the entries' ancestor rows (`tree.entry_ancestors` over random beam
     choices: ancestor-closed), None for a chain (width 1) or the root."""
-    from specla.attention import rotary_inv_freq
+    from specla.rotary import rotary_inv_freq
     from specla.drafters import tree
 
     g = torch.Generator().manual_seed(seed)
@@ -133,7 +133,7 @@ def test_draft_attention_reference_is_rotary_store_and_mask():
     """The reference against its definition spelt out: q and k rotated by `apply_rotary` at
     length + depth, k and v written to slots length + start + i, and each query attending to
     the committed slots, its earlier path entries and itself (not its siblings)."""
-    from specla.attention import apply_rotary
+    from specla.rotary import apply_rotary
 
     q, k, v, keys, values, length, depth, start, rows, inv_freq, scale = _draft_case(
         2, 2, 24, 8, 2, 3, [4, 0], 30, torch.float64, 7)

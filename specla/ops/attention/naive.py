@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from specla.precision import accumulation_dtype
+from specla.rotary import apply_rotary
 
 
 def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
@@ -39,7 +40,6 @@ def draft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: tor
     `tree.entry_ancestors` builds them; rows None: a chain, every earlier entry) and to its
     own slot; the step's other entries stay hidden. -> [B, n, H * D] in q's dtype.
     """
-    from specla.attention import apply_rotary  # specla.attention imports specla.ops (via specla.state)
 
     B, n, H, D = q.shape
     dev = q.device

@@ -38,8 +38,8 @@ def fused(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | Non
           residual: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
     """A draft step's matmul with what surrounds it, in x's dtype:
     norm_weight: x is RMS-normalised first (fp32, scaled by norm_weight, rounded to x's dtype:
-    `model.RMSNorm`); glu: weight is [gate; up] ([2I, K]) and the result silu(gate) * up [..., I]
-    (each rounded to x's dtype, as `model.GatedMLP`); residual: added to the product (rounded)."""
+    `layers.RMSNorm`); glu: weight is [gate; up] ([2I, K]) and the result silu(gate) * up [..., I]
+    (each rounded to x's dtype, as `layers.GatedMLP`); residual: added to the product (rounded)."""
     if norm_weight is not None:
         x = _rms(x, norm_weight, eps)
     y = _rows_times(x, weight)
@@ -60,5 +60,5 @@ def draft_inputs(table: torch.Tensor, tokens: torch.Tensor, h: torch.Tensor, src
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """`model.RMSNorm`: in fp32 (fp64 for fp64), rounded to x's dtype."""
+    """`layers.RMSNorm`: in fp32 (fp64 for fp64), rounded to x's dtype."""
     return norm_ref.gated(x.to(accumulation_dtype(x.dtype)), None, w, eps, "silu").to(x.dtype)
