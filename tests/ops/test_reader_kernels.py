@@ -12,11 +12,29 @@ from hypothesis import strategies as st
 from .kernel_cases import close
 from specla.ops.gdn import commit as commit_triton
 from specla.ops.gdn import naive as gdn_naive
-from specla.ops.reader import gather_then_read, naive
+from specla.ops.reader import naive
 from specla.ops.reader import triton as reader_triton
 
 HYP = settings(max_examples=30, deadline=None, derandomize=True,
                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+def gather_then_read(states, pendings, queries, value_map=None):
+    """The unfused way the fused kernel replaces: flush each source layer with `ops.gdn_commit`,
+    gather the states into one tensor, then read with dense torch ops."""
+    from specla import ops
+
+    for S, pend in zip(states, pendings):
+        if pend is not None and pend[0].shape[1]:
+            pk, pg, pu, plen = pend
+            path = torch.arange(pk.shape[1], device=pk.device).expand(pk.shape[0], -1)
+            ops.gdn_commit(S, pk, pg, pu, path, plen)
+            plen.zero_()
+    St = torch.stack(list(states), 1)  # [B, L, HV, K, V]
+    r = torch.einsum("bplhk,blhkv->bplhv", queries.to(St.dtype), St)
+    if value_map is not None:
+        r = torch.einsum("bplhv,lvr->bplhr", r, value_map.to(St.dtype))
+    return r, St.square().sum((-2, -1))
 
 
 def make_case(B, L, H, HV, K, V, NQ, widths, R, seed, bf16=False):
