@@ -12,7 +12,7 @@ from specla.api import DEMO_DIR
 from specla.decode import Decoder
 from specla.drafters.dspark import (DSparkConfig, DSparkDrafter, DSparkModel, find_block_drafter,
                                     load_block_drafter, save_block_drafter)
-from specla.drafters.ready import ReadyConfig, ReadyDrafter, ReadyModel, find_ready, load_ready
+from specla.drafters.ready import ReadyConfig, ReadyDrafter, ReadyModel, load_ready
 from specla.errors import CheckpointError, InputError
 from specla.ops import reader as reader_ops
 from specla.ops.reader import naive as reader_naive
@@ -266,7 +266,7 @@ def test_save_load_round_trip(tmp_path):
         assert type(back) is type(m) and back.cfg == m.cfg
         assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), back.state_dict().values()))
     assert load_ready(tmp_path / "ready", model).cfg.reader_rank is None
-    assert find_block_drafter(tmp_path) == tmp_path / "dspark" and find_ready(tmp_path) == tmp_path / "ready"
+    assert find_block_drafter(tmp_path) == tmp_path / "dspark" and find_block_drafter(tmp_path, "ready") == tmp_path / "ready"
     assert DSparkDrafter.load(tmp_path / "dspark", model, block=5).max_nodes == 6
     assert ReadyDrafter.load(tmp_path / "ready", model).capture == tuple(back.cfg.feature_layers)
     with pytest.raises(CheckpointError, match="dspark"):

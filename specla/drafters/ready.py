@@ -24,22 +24,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from pathlib import Path
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
 from specla.config import ModelConfig
-from specla.drafters.dspark import (DSparkConfig, DSparkDrafter, DSparkModel, find_block_drafter,
-                                    load_block_drafter)
+from specla.drafters.dspark import (DSparkConfig, DSparkDrafter, DSparkModel, load_block_drafter)
 from specla.errors import CheckpointError, InputError
 from specla.layers import RMSNorm
 from specla.model import Model
 from specla.ops import reader as reader_ops
 
 MODEL_TYPE = "specla_ready"
-READY_DIR = "ready"
 SITES = ("pre", "post")
 
 
@@ -171,10 +168,6 @@ class ReadyModel(DSparkModel):
 
 def load_ready(path, target: Model | None = None, **kw) -> ReadyModel:
     return load_block_drafter(path, target, expect=MODEL_TYPE, **kw)
-
-
-def find_ready(model_dir) -> Path | None:
-    return find_block_drafter(model_dir, READY_DIR)
 
 
 @torch.compiler.disable  # a compiled block forward runs this read eagerly (a graph break): the
