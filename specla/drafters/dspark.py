@@ -154,13 +154,13 @@ class DSparkModel(nn.Module):
         m = self.mask_emb.to(root_emb.dtype).expand(*root_emb.shape[:-1], -1, -1)
         return torch.cat([root_emb[..., None, :], m], -2)
 
-    def inject(self, i: int, site: str, x: torch.Tensor, blocks: int, read) -> torch.Tensor | None:
+    def inject(self, i: int, site: str, x: torch.Tensor, blocks: int, read: ReadFn | None) -> torch.Tensor | None:
         """Residual added to layer i's stream x [B, blocks * P, D] before ("pre") or after ("post")
         its attention; None: nothing (DSpark). ReaDy reads the target's states here."""
         return None
 
     def layer_forward(self, i: int, x: torch.Tensor, pos: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
-                      mask: torch.Tensor, blocks: int = 1, read=None) -> torch.Tensor:
+                      mask: torch.Tensor, blocks: int = 1, read: ReadFn | None = None) -> torch.Tensor:
         """x [B, N, D] (N = blocks * P) at positions pos [B, N]; ctx_k, ctx_v [B, H, C, hd] the
         context entries (rotated keys); mask [B, N, C + N]: which context and block keys each
         query sees."""
@@ -197,7 +197,7 @@ class DSparkModel(nn.Module):
 
     # training ---------------------------------------------------------------------------------
     def block_hidden(self, feat: torch.Tensor, root_emb: torch.Tensor, anchors: torch.Tensor,
-                     read=None) -> torch.Tensor:
+                     read: ReadFn | None = None) -> torch.Tensor:
         """Blocks of many anchors of whole sequences at once: h [B, A, P, D].
 
         feat [B, T, D]: fused target features of the sequence's tokens (context entry s at
