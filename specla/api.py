@@ -177,15 +177,16 @@ class SpecLA:
         if route == "tree":
             return NgramDrafter(length=max(1, tree_budget // tree_topk), topk=tree_topk, budget=tree_budget)
         if route in ("dspark", "ready"):  # parallel block drafters (docs/ready.md): <model>/dspark/, <model>/ready/
-            from specla.drafters.dspark import DSparkDrafter, find_block_drafter
-            from specla.drafters.ready import ReadyDrafter
+            from specla.drafters import dspark, ready
+            from specla.drafters.blocks import block_drafter, find_block_drafter
 
             path = find_block_drafter(self.model_dir, route)
             if path is None:
                 raise InputError(f"{self.model_dir} has no {route}/ directory (train one with "
                                  f"`specla train drafter --kind {route}`)")
-            cls = DSparkDrafter if route == "dspark" else ReadyDrafter
-            return cls.load(path, self.model, block=min(chain_length, 7), graphs=self.model.device.type == "cuda")
+            kind = dspark.MODEL_TYPE if route == "dspark" else ready.MODEL_TYPE
+            return block_drafter(path, self.model, expect=kind, block=min(chain_length, 7),
+                                 graphs=self.model.device.type == "cuda")
         from specla.drafters.mtp import MTPDrafter
 
         return MTPDrafter.from_checkpoint(self.model_dir, self.model, length=chain_length)

@@ -138,13 +138,11 @@ def test_pipelined_block_drafters_equal_host_loop(emulated, demo_fp32, route, th
     """DSpark and ReaDy draft from the device root too (whole blocks, positions past the
     confidence cut marked invalid): the pipelined loop equals AR and the host loop, and ReaDy's
     reader, which flushes the pending commit it reads, leaves the same state."""
-    from specla.drafters.dspark import DSparkDrafter, find_block_drafter
-    from specla.drafters.ready import ReadyDrafter
+    from specla.drafters.blocks import block_drafter, find_block_drafter
 
     model, _ = demo_fp32
-    cls = DSparkDrafter if route == "dspark" else ReadyDrafter
-    path = find_block_drafter(DEMO_DIR, route)
-    loaded = cls.load(path, model, threshold=threshold)
+    loaded = block_drafter(find_block_drafter(DEMO_DIR, route), model, threshold=threshold)
+    cls = type(loaded)
 
     def make():
         d = cls(loaded.model, model, threshold=threshold)

@@ -10,9 +10,11 @@ import torch
 from specla import fused
 from specla.api import DEMO_DIR
 from specla.decode import Decoder
-from specla.drafters.dspark import (DSparkConfig, DSparkDrafter, DSparkModel, find_block_drafter,
-                                    load_block_drafter, save_block_drafter)
-from specla.drafters.ready import ReadyConfig, ReadyDrafter, ReadyModel, load_ready
+from specla.drafters import dspark as dspark_kind
+from specla.drafters import ready as ready_kind
+from specla.drafters.blocks import block_drafter, find_block_drafter, load_block_drafter, save_block_drafter
+from specla.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel
+from specla.drafters.ready import ReadyConfig, ReadyDrafter, ReadyModel
 from specla.errors import CheckpointError, InputError
 from specla.ops import reader as reader_ops
 from specla.ops.reader import naive as reader_naive
@@ -265,19 +267,21 @@ def test_save_load_round_trip(tmp_path):
         back = load_block_drafter(tmp_path / name, model)
         assert type(back) is type(m) and back.cfg == m.cfg
         assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), back.state_dict().values()))
-    assert load_ready(tmp_path / "ready", model).cfg.reader_rank is None
+    assert load_block_drafter(tmp_path / "ready", model, expect=ready_kind.MODEL_TYPE).cfg.reader_rank is None
     assert find_block_drafter(tmp_path) == tmp_path / "dspark" and find_block_drafter(tmp_path, "ready") == tmp_path / "ready"
-    assert DSparkDrafter.load(tmp_path / "dspark", model, block=5).max_nodes == 6
-    assert ReadyDrafter.load(tmp_path / "ready", model).capture == tuple(back.cfg.feature_layers)
+    dsp = block_drafter(tmp_path / "dspark", model, block=5)
+    assert type(dsp) is DSparkDrafter and dsp.max_nodes == 6
+    rdy = block_drafter(tmp_path / "ready", model)
+    assert type(rdy) is ReadyDrafter and rdy.capture == tuple(back.cfg.feature_layers)
     with pytest.raises(CheckpointError, match="dspark"):
-        DSparkDrafter.load(tmp_path / "ready", model)
+        block_drafter(tmp_path / "ready", model, expect=dspark_kind.MODEL_TYPE)
     with pytest.raises(InputError, match="ReadyModel"):
         ReadyDrafter(load_block_drafter(tmp_path / "dspark", model), model)
     with pytest.raises(CheckpointError, match="GDN layer"):
         ReadyConfig.for_target(cfg, source_layers=[cfg.num_hidden_layers]).check(cfg)
     other = random_model(tiny_config(1, num_v_heads=cfg.num_v_heads * 2, num_heads=cfg.num_heads), 1)
     with pytest.raises(CheckpointError, match="heads"):
-        load_ready(tmp_path / "ready", other)
+        load_block_drafter(tmp_path / "ready", other)
 
 
 def test_demo_shape_fits_the_budget():
@@ -337,7 +341,7 @@ def test_two_stage_training(tmp_path):
                              reader_rank=4, **kw)
     assert s1["step"] == 3
     base = load_block_drafter(dspark, model)
-    r1 = load_ready(tmp_path / "r1" / "export", model)
+    r1 = load_block_drafter(tmp_path / "r1" / "export", model, expect=ready_kind.MODEL_TYPE)
     assert r1.cfg.reader_rank == 4
     rsd = r1.state_dict()
     for name, t in base.state_dict().items():
@@ -348,12 +352,13 @@ def test_two_stage_training(tmp_path):
     # stage 2: everything trains; the control gets the same fine-tuning without a reader
     s2 = train_block_drafter(tgt, tmp_path / "r2", data, kind="ready", stage=2, init_from=tmp_path / "r1" / "export",
                              total_steps=2, **kw)
-    r2 = load_ready(tmp_path / "r2" / "export", model)
+    r2 = load_block_drafter(tmp_path / "r2" / "export", model, expect=ready_kind.MODEL_TYPE)
     assert s2["step"] == 2 and not torch.equal(r2.state_dict()["fuse.weight"], rsd["fuse.weight"])
     ft = train_block_drafter(tgt, tmp_path / "ft", data, kind="dspark-ft", init_from=dspark, total_steps=5, **kw)
     assert ft["stage"] == 2 and type(load_block_drafter(tmp_path / "ft" / "export", model)) is DSparkModel
     for run in ("r2", "ft"):  # the trained drafters decode exactly
-        drafter = (ReadyDrafter if run == "r2" else DSparkDrafter).load(tmp_path / run / "export", model)
+        drafter = block_drafter(tmp_path / run / "export", model)
+        assert type(drafter) is (ReadyDrafter if run == "r2" else DSparkDrafter)
         prompt = ResponseSetPrompt(data)
         assert Decoder(model, drafter).run(prompt, 16)[0] == Decoder(model).run(prompt, 16)[0]
 

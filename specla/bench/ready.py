@@ -60,7 +60,8 @@ def _pick(prompts: list, n: int | None) -> list:
 
 
 def _drafter(row: str, path, target, graphs: bool, threshold: float, quick: bool):
-    from specla.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel, load_block_drafter
+    from specla.drafters.blocks import load_block_drafter
+    from specla.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel
     from specla.drafters.ready import ReadyConfig, ReadyDrafter, ReadyModel
 
     if path is None:  # quick smoke without trained drafters: random weights
@@ -323,7 +324,7 @@ def run(target=None, dspark=None, dspark_ft=None, ready=None, variants: dict | N
     <target>/dspark, <target>/dspark-ft, <target>/ready; missing ones are skipped (quick mode:
     random drafters instead, so the smoke test runs anywhere)."""
     import specla.api as api
-    from specla.drafters.dspark import find_block_drafter
+    from specla.drafters.blocks import find_block_drafter
 
     t0 = time.time()
     if str(device).startswith("cpu"):

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from specla.config import ModelConfig
-from specla.drafters.dspark import (DSparkConfig, DSparkDrafter, DSparkModel, load_block_drafter)
+from specla.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel
 from specla.errors import CheckpointError, InputError
 from specla.layers import RMSNorm
 from specla.model import Model
@@ -166,10 +166,6 @@ class ReadyModel(DSparkModel):
         return model
 
 
-def load_ready(path, target: Model | None = None, **kw) -> ReadyModel:
-    return load_block_drafter(path, target, expect=MODEL_TYPE, **kw)
-
-
 @torch.compiler.disable  # a compiled block forward runs this read eagerly (a graph break): the
 # Triton read keeps its address table of the target's buffers as host state, which neither
 # traces nor survives Inductor's functionalisation (it would copy the states it writes back)
@@ -200,10 +196,6 @@ class ReadyDrafter(DSparkDrafter):
         super().__init__(model, target, **options)
         self.sources = list(model.cfg.source_layers)
         self.trace: list | None = None
-
-    @classmethod
-    def load(cls, path, target: Model, **options) -> "ReadyDrafter":
-        return cls(load_ready(path, target), target, **options)
 
     def reader(self, cache):
         if cache is None:

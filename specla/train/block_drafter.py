@@ -49,8 +49,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from specla.drafters.dspark import DSparkConfig, DSparkModel, load_block_drafter, save_block_drafter
-from specla.drafters.ready import MODEL_TYPE as READY_TYPE, ReadyConfig, ReadyModel
+from specla.drafters.blocks import CLASSES, load_block_drafter, save_block_drafter
+from specla.drafters.dspark import DSparkConfig, DSparkModel
+from specla.drafters.ready import ReadyModel
 from specla.errors import InputError
 from specla.model import GatedDeltaNet, Model
 from specla.ops.conv import naive as conv_ref
@@ -271,8 +272,8 @@ def evaluate(loss_fn: BlockLoss, target: Model, batches: ResponseBatches, n_batc
 def _build(kind: str, stage: int, target: Model, init_from, ckpt, reader_options: dict, dspark_options: dict):
     """(model, config) for a new run or a resumed one."""
     if ckpt is not None:
-        cfg = (ReadyConfig if ckpt["model_type"] == READY_TYPE else DSparkConfig)(**ckpt["config"])
-        model = (ReadyModel if ckpt["model_type"] == READY_TYPE else DSparkModel)(cfg)
+        config_cls, model_cls = CLASSES[ckpt["model_type"]]
+        model = model_cls(config_cls(**ckpt["config"]))
         model.load_state_dict(ckpt["model"])
         return model
     if kind == "dspark" and init_from is None:
