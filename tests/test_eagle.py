@@ -326,6 +326,9 @@ def test_training_resumes_and_raises_acceptance(tmp_path):
     assert first["step"] == 1 and not first["finished"]
     second = train_drafter(tmp_path / "target", tmp_path / "run", tmp_path / "data.npz", **kw)
     assert second["step"] == 150 and second["finished"] and whole["finished"]
+    # each of a run's first steps timed alone, and its parts (where one-time costs sit)
+    assert [set(p) for p in whole["first_steps_phases"]] == [{"batch", "target", "update"}] * 5
+    assert all(sum(p.values()) <= s + 5e-3 for p, s in zip(whole["first_steps_phases"], whole["first_steps_seconds"]))
     a = torch.load(tmp_path / "whole" / "ckpt.pt", weights_only=False)["model"]
     b = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)["model"]
     assert all(torch.equal(a[n], b[n]) for n in a)  # resuming changes nothing

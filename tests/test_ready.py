@@ -326,6 +326,9 @@ def test_two_stage_training(tmp_path):
     whole = train_block_drafter(tgt, tmp_path / "ds", data, kind="dspark", total_steps=6, lr=3e-3, **kw)
     assert whole["finished"] and len(whole["val_survival"]) == 7 and whole["val_accept_length"] >= 1
     assert len(whole["first_steps_seconds"]) == 5 and min(whole["first_steps_seconds"]) > 0  # one-time costs show
+    # and which part of a step holds them: each first step's parts, within the step's own time
+    assert [set(p) for p in whole["first_steps_phases"]] == [{"batch and target", "update"}] * 5
+    assert all(sum(p.values()) <= s + 5e-3 for p, s in zip(whole["first_steps_phases"], whole["first_steps_seconds"]))
     first = train_block_drafter(tgt, tmp_path / "ds2", data, kind="dspark", total_steps=6, lr=3e-3, max_minutes=0.0, **kw)
     assert first["step"] == 1 and not first["finished"]
     second = train_block_drafter(tgt, tmp_path / "ds2", data, kind="dspark", total_steps=6, lr=3e-3, **kw)

@@ -407,10 +407,12 @@ def train_block_drafter(target_dir, out_dir, data, kind: str = "dspark", init_fr
 
     def train_step(step: int):
         nonlocal seqs_seen
-        *args, states = _batch(target, model, train, step, anchors, seed, rank, dev, chunk)
+        with clock.phase("batch and target"):
+            *args, states = _batch(target, model, train, step, anchors, seed, rank, dev, chunk)
         cur_lr = clock.lr(step, lr, warmup)
-        (loss, stats), gnorm = optimizer_step(opt, train_params, cur_lr, dev,
-                                              lambda: net(*args, target.lm_head.weight, states))
+        with clock.phase("update"):
+            (loss, stats), gnorm = optimizer_step(opt, train_params, cur_lr, dev,
+                                                  lambda: net(*args, target.lm_head.weight, states))
         seqs_seen += batch_size * world
         return loss, stats, gnorm, cur_lr
 
@@ -437,7 +439,8 @@ def train_block_drafter(target_dir, out_dir, data, kind: str = "dspark", init_fr
     summary = {"kind": kind, "stage": stage, "step": step, "total_steps": total_steps,
                "finished": total_steps is not None and step >= total_steps, "sequences_seen": seqs_seen,
                "train_seconds": round(train_seconds, 1), **metrics, "wall_seconds": round(time.time() - t_start, 1),
-               "first_steps_seconds": clock.first_steps}
+               "first_steps_seconds": clock.first_steps,
+               "first_steps_phases": clock.first_phases}
     if main:
         log.write(json.dumps({"event": "end_of_run", **summary}) + "\n")
         log.close()

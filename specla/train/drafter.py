@@ -499,11 +499,14 @@ def train_drafter(target_dir, out_dir, data, total_steps: int | None = None, tot
 
     def train_step(step: int):
         nonlocal seqs_seen
-        tokens, valid = (t.to(dev, non_blocking=True) for t in train.get(step))
-        hidden, emb, logp = target_side(target, tokens, cfg.feature_layers)
+        with clock.phase("batch"):
+            tokens, valid = (t.to(dev, non_blocking=True) for t in train.get(step))
+        with clock.phase("target"):
+            hidden, emb, logp = target_side(target, tokens, cfg.feature_layers)
         cur_lr = clock.lr(step, lr, warmup)
-        (loss, top1), gnorm = optimizer_step(opt, drafter.parameters(), cur_lr, dev,
-                                             lambda: net(hidden, emb, logp, valid, target.lm_head.weight))
+        with clock.phase("update"):
+            (loss, top1), gnorm = optimizer_step(opt, drafter.parameters(), cur_lr, dev,
+                                                 lambda: net(hidden, emb, logp, valid, target.lm_head.weight))
         seqs_seen += batch_size * world
         return loss, top1, gnorm, cur_lr
 
@@ -525,7 +528,8 @@ def train_drafter(target_dir, out_dir, data, total_steps: int | None = None, tot
     save(step, train_seconds)
     summary = {"step": step, "total_steps": total_steps, "finished": total_steps is not None and step >= total_steps,
                "sequences_seen": seqs_seen, "train_seconds": round(train_seconds, 1), **metrics,
-               "wall_seconds": round(time.time() - t_start, 1), "first_steps_seconds": clock.first_steps}
+               "wall_seconds": round(time.time() - t_start, 1), "first_steps_seconds": clock.first_steps,
+               "first_steps_phases": clock.first_phases}
     if main:
         log.write(json.dumps({"event": "end_of_run", **summary}) + "\n")
         log.close()

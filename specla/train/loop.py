@@ -9,6 +9,7 @@ schedule spans `total_minutes` of training. Under DDP every decision comes from 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from pathlib import Path
@@ -42,9 +43,12 @@ class RunClock:
         self.start = self.last_checkpoint = time.time()
         self.run_steps = 0
         self.calibration_start = 0.0
-        # each of a run's first FIRST_STEPS steps, timed alone: one-time costs (kernel compiles,
-        # autotuning, allocator growth) show there and nowhere else (the log reports them)
+        # each of a run's first FIRST_STEPS steps, timed alone, and its parts (`phase`): one-time
+        # costs (kernel compiles, autotuning, allocator growth) show there and nowhere else (the
+        # log reports them)
         self.first_steps: list[float] = []
+        self.first_phases: list[dict[str, float]] = []
+        self._phases: dict[str, float] = {}
 
     def _from_rank0(self, value: torch.Tensor) -> torch.Tensor:
         if self.distributed:
@@ -58,6 +62,21 @@ class RunClock:
         """Whether the step about to finish is one the calibration times exactly (sync first)."""
         return self.run_steps + 1 in (WARM_STEPS, WARM_STEPS + CALIBRATION_STEPS)
 
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Time a part of the step being run while the run is in its first FIRST_STEPS steps (the
+        GPU synchronised around it); later steps run it untimed, without a sync."""
+        if len(self.first_steps) >= FIRST_STEPS:
+            yield
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.time()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self._phases[name] = round(self._phases.get(name, 0.0) + time.time() - t0, 3)
+
     def step_seconds(self, step: int, t0: float) -> float:
         """Seconds since t0 for the step just finished (step counts it). The GPU is synchronised
         every 10 steps and on the calibration steps, so the training time stays honest without a
@@ -68,6 +87,8 @@ class RunClock:
         seconds = time.time() - t0
         if first:
             self.first_steps.append(round(seconds, 3))
+            self.first_phases.append(self._phases)
+            self._phases = {}
         return seconds
 
     def step_done(self, step: int, train_seconds: float) -> bool:

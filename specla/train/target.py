@@ -144,9 +144,11 @@ def train_target(out_dir, corpus_dir, tokenizer_dir, config: ModelConfig | None 
 
     def train_step(step: int):
         nonlocal tokens_seen
-        batch = train.get(step).to(dev, non_blocking=True)
+        with clock.phase("batch"):
+            batch = train.get(step).to(dev, non_blocking=True)
         cur_lr = clock.lr(step, lr, warmup)
-        loss, gnorm = optimizer_step(opt, model.parameters(), cur_lr, dev, lambda: net(batch))
+        with clock.phase("update"):
+            loss, gnorm = optimizer_step(opt, model.parameters(), cur_lr, dev, lambda: net(batch))
         tokens_seen += batch_size * seq_len * world
         return loss, gnorm, cur_lr
 
@@ -173,7 +175,8 @@ def train_target(out_dir, corpus_dir, tokenizer_dir, config: ModelConfig | None 
     finished = clock.finished(step)
     summary = {"step": step, "total_steps": total_steps, "finished": finished, "tokens_seen": tokens_seen,
                "train_seconds": round(train_seconds, 1), "wall_seconds": round(time.time() - t_start, 1),
-               "first_steps_seconds": clock.first_steps}
+               "first_steps_seconds": clock.first_steps,
+               "first_steps_phases": clock.first_phases}
     if main:
         log.write(json.dumps({"event": "end_of_run", **summary}) + "\n")
         log.close()
