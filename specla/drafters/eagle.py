@@ -28,8 +28,6 @@ them (`acceptance.sample`, probs None).
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -40,7 +38,7 @@ import torch.nn.functional as F
 
 from specla import fused, graphs, ops, topology
 from specla.config import ModelConfig
-from specla.drafters import tree
+from specla.drafters import checkpoint, tree
 from specla.drafters.base import Draft, DraftContext, Drafter, attention_window, grown, kv_room
 from specla.errors import CheckpointError, InputError
 from specla.layers import GatedMLP, RMSNorm
@@ -49,8 +47,6 @@ from specla.rotary import apply_rotary, rotary_inv_freq
 from specla.precision import accumulation_dtype
 
 MODEL_TYPE = "specla_eagle"
-CONFIG = "config.json"
-WEIGHTS = "model.safetensors"
 DRAFTER_DIR = "drafter"  # a target checkpoint's drafter lives in <target>/drafter/
 PROMPT_CHUNK = 32  # graphed drafters extend over a prompt this many tokens a replay (`_extend_prompt`)
 # the drafter's distribution in tree scores, sharpened: on held-out GSM8K training questions
@@ -218,50 +214,17 @@ class EagleDrafterModel(nn.Module):
 # checkpoints ----------------------------------------------------------------------------------
 
 def save_drafter(model: EagleDrafterModel, out_dir, dtype: torch.dtype | None = None) -> Path:
-    """config.json + model.safetensors (the drafter's own weights only)."""
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / CONFIG).write_text(json.dumps({"model_type": MODEL_TYPE, **dataclasses.asdict(model.cfg)}, indent=2) + "\n")
-    sd = {k: (v.to(dtype) if dtype else v).detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    save_file(sd, str(out / WEIGHTS), metadata={"format": "pt"})
-    return out
+    """Write `model` as a drafter directory (`drafters.checkpoint`)."""
+    return checkpoint.save(model, MODEL_TYPE, out_dir, dtype)
 
 
 def load_drafter(path, target: Model | None = None, device="cpu", dtype=torch.float32) -> EagleDrafterModel:
     """Load a drafter directory; with `target`, check it fits and match its device and dtype."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    try:
-        d = json.loads((path / CONFIG).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"cannot read the drafter config in {path}: {e}") from None
-    if d.pop("model_type", None) != MODEL_TYPE:
-        raise CheckpointError(f"{path} is not a specla EAGLE drafter (model_type {MODEL_TYPE!r} expected)")
-    try:
-        cfg = EagleConfig(**d)
-    except TypeError as e:
-        raise CheckpointError(f"{path / CONFIG}: {e}") from None
+    _, cfg = checkpoint.read_config(path, {MODEL_TYPE: EagleConfig}, "EAGLE drafter")
     if target is not None:
         cfg.check(target.cfg)
         device, dtype = target.device, target.dtype
-    try:
-        sd = load_file(str(path / WEIGHTS))
-    except OSError as e:
-        raise CheckpointError(f"cannot read drafter weights in {path}: {e}") from None
-    with torch.device("meta"):
-        model = EagleDrafterModel(cfg)
-    expected = model.state_dict()
-    if set(sd) != set(expected):
-        diff = sorted(set(sd) ^ set(expected))
-        raise CheckpointError(f"{path / WEIGHTS} does not match its config (e.g. {diff[0]})")
-    for name, t in expected.items():
-        if tuple(sd[name].shape) != tuple(t.shape):
-            raise CheckpointError(f"drafter weight {name} has shape {tuple(sd[name].shape)}, expected {tuple(t.shape)}")
-    model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, assign=True)
-    return model.to(device).eval()
+    return checkpoint.load_weights(path, EagleDrafterModel, cfg, device, dtype)
 
 
 # the drafter ----------------------------------------------------------------------------------
@@ -592,4 +555,4 @@ class EagleDrafter(Drafter):
 def find_drafter(model_dir) -> Path | None:
     """The drafter directory shipped with a target checkpoint, if any."""
     path = Path(model_dir) / DRAFTER_DIR
-    return path if (path / CONFIG).is_file() and (path / WEIGHTS).is_file() else None
+    return path if checkpoint.holds_drafter(path) else None
