@@ -127,42 +127,44 @@ def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     raise CheckpointError(f"{model_dir} has no {SINGLE} or {INDEX}")
 
 
+def _keys_by_file(model_dir: Path) -> dict[str, list[str]] | None:
+    """The tensor names each safetensors file of a checkpoint directory holds (from the index, or
+    the single file's header; no tensor is read); None when the directory has neither."""
+    from safetensors import safe_open
+
+    if (model_dir / INDEX).is_file():
+        files: dict[str, list[str]] = {}
+        for k, f in (json.loads((model_dir / INDEX).read_text()).get("weight_map") or {}).items():
+            files.setdefault(f, []).append(k)
+        return files
+    if (model_dir / SINGLE).is_file():
+        with safe_open(str(model_dir / SINGLE), "pt") as fh:
+            return {SINGLE: list(fh.keys())}
+    return None
+
+
 def read_mtp_state_dict(model_dir) -> dict[str, torch.Tensor]:
     """Only the `mtp.*` tensors of a checkpoint directory (reads just the shards holding them)."""
     from safetensors import safe_open
 
     model_dir = Path(model_dir)
-    if (model_dir / INDEX).is_file():
-        wm = json.loads((model_dir / INDEX).read_text()).get("weight_map") or {}
-        files: dict[str, list[str]] = {}
-        for k, f in wm.items():
-            if k.startswith("mtp."):
-                files.setdefault(f, []).append(k)
-    elif (model_dir / SINGLE).is_file():
-        with safe_open(str(model_dir / SINGLE), "pt") as fh:
-            files = {SINGLE: [k for k in fh.keys() if k.startswith("mtp.")]}
-    else:
+    files = _keys_by_file(model_dir)
+    if files is None:
         raise CheckpointError(f"{model_dir} has no {SINGLE} or {INDEX}")
     sd = {}
     for f, keys in files.items():
-        with safe_open(str(model_dir / f), "pt") as fh:
-            for k in keys:
-                sd[k] = fh.get_tensor(k)
+        keys = [k for k in keys if k.startswith("mtp.")]
+        if keys:
+            with safe_open(str(model_dir / f), "pt") as fh:
+                for k in keys:
+                    sd[k] = fh.get_tensor(k)
     return sd
 
 
 def has_mtp(model_dir) -> bool:
     """Whether a checkpoint directory carries `mtp.*` weights (without reading any tensor)."""
-    from safetensors import safe_open
-
-    model_dir = Path(model_dir)
-    if (model_dir / INDEX).is_file():
-        wm = json.loads((model_dir / INDEX).read_text()).get("weight_map") or {}
-        return any(k.startswith("mtp.") for k in wm)
-    if (model_dir / SINGLE).is_file():
-        with safe_open(str(model_dir / SINGLE), "pt") as fh:
-            return any(k.startswith("mtp.") for k in fh.keys())
-    return False
+    files = _keys_by_file(Path(model_dir)) or {}
+    return any(k.startswith("mtp.") for keys in files.values() for k in keys)
 
 
 def load_config(model_dir) -> ModelConfig:
