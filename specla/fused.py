@@ -186,11 +186,10 @@ def mode_of(model) -> str | None:
     return fz.mode if fz is not None and fz.compile else None
 
 
-def compile_for_graph(fn, mode: str | None, dynamic: bool = False, fullgraph: bool = True):
+def compile_for_graph(fn, mode: str | None, dynamic: bool = False):
     """(compiled fn, capture guard factory) for a function captured in a CUDA graph beside a
     fused target (`mode`: its compile mode, `mode_of`); (fn, a no-op guard) when mode is None.
-    dynamic: shapes are static except dimensions a call marks (`mark_dynamic`). fullgraph=False
-    lets fn call code dynamo must not trace (`torch.compiler.disable`), as graph breaks.
+    dynamic: shapes are static except dimensions a call marks (`mark_dynamic`).
 
     A drafter's step is a handful of small matmuls among dozens of elementwise ops, norms,
     masks and gathers; compiled whole (static shapes, `fullgraph`), one graph replay launches
@@ -199,7 +198,7 @@ def compile_for_graph(fn, mode: str | None, dynamic: bool = False, fullgraph: bo
     if mode is None:
         return fn, contextlib.nullcontext
     _raise_recompile_limit()
-    return torch.compile(fn, dynamic=None if dynamic else False, fullgraph=fullgraph, options=_options(mode)), no_compiles
+    return torch.compile(fn, dynamic=None if dynamic else False, fullgraph=True, options=_options(mode)), no_compiles
 
 
 # ---- pure functions of a layer's tensors (compiled) ------------------------------------------

@@ -121,9 +121,8 @@ def test_block_drafters_attend_over_a_window_of_a_large_cache(monkeypatch, kind)
 def test_compiled_graphed_block_drafting_equals_eager(monkeypatch, kind):
     """With a compile mode the graphed block forward and extend run compiled: tokens and accepted
     counts equal the eager drafter's and AR's (float64), and the window is symbolic: narrower
-    windows capture graphs without compiling. ReaDy's state read is a graph break, and the
-    frames after it learn the window is dynamic at the second window (one recompile, in the
-    warm-up, never under capture); the third compiles nothing."""
+    windows capture graphs without compiling. ReaDy's state read is one custom op inside the
+    graph (`ops.reader.committed_read`), so ReaDy compiles no more than DSpark."""
     emulate_graphs(monkeypatch)
     cfg = tiny_config(1, vocab_size=24)
     model = random_model(cfg, 1)
@@ -142,7 +141,7 @@ def test_compiled_graphed_block_drafting_equals_eager(monkeypatch, kind):
         compiled = fused._compile_count() - before
         if i == 0:
             assert compiled >= 2  # the block forward and the extend
-        elif i == 2 or kind == "dspark":
+        else:
             assert compiled == 0
         assert a[0] == b[0] == ar
         assert [r.accepted for r in a[1].rounds] == [r.accepted for r in b[1].rounds]

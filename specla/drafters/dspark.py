@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from specla import fused, graphs
+from specla import fused, graphs, ops
 from specla.config import ModelConfig
 from specla.drafters.base import Draft, DraftContext, Drafter, attention_window, grown, kv_room
 from specla.drafters.eagle import check_fits_target, default_feature_layers
@@ -164,17 +164,26 @@ class DSparkModel(nn.Module):
             x = x + add
         h = layer.attn_norm(x)
         f = self._rotary(x)
-        q = apply_rotary(self._heads(layer.q_proj(h)), pos, f).transpose(1, 2)
+        q = apply_rotary(self._heads(layer.q_proj(h)), pos, f)  # [B, N, H, hd]
         k = apply_rotary(self._heads(layer.k_proj(h)), pos, f).transpose(1, 2)
         v = self._heads(layer.v_proj(h)).transpose(1, 2)
         keys = torch.cat([ctx_k.to(q.dtype), k], 2)
         values = torch.cat([ctx_v.to(q.dtype), v], 2)
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], scale=self.scale)
-        x = x + layer.o_proj(o.transpose(1, 2).flatten(2))
+        x = x + layer.o_proj(self._attend(q, keys, values, mask))
         add = self.inject(i, "post", x, blocks, read)
         if add is not None:
             x = x + add
         return x + layer.mlp(layer.mlp_norm(x))
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q [B, N, H, hd] over keys, values [B, H, C + N, hd] -> [B, N, H * hd]. Drafting (no
+        grad) runs `ops.masked_attention`, split over the window: cuDNN's SDPA spent ~62 us a
+        call on a block's 7 queries over a 2k-slot window on the H200, with one program per
+        head (block_round_b0eadc4.json: half the block forward). Training needs SDPA's backward."""
+        if not torch.is_grad_enabled():
+            return ops.masked_attention(q, keys, values, mask, self.scale)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask[:, None], scale=self.scale)
+        return o.transpose(1, 2).flatten(2)
 
     def logits(self, h: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """Backbone logits (before the sequential head's bias)."""
@@ -232,7 +241,6 @@ class DSparkDrafter(Drafter):
     name = "dspark"
     device_root = True
     chain = True
-    fullgraph = True  # the compiled block forward is one graph
 
     def __init__(self, model: DSparkModel, target: Model, threshold: float = 0.0, block: int | None = None,
                  min_draft: int = 1, graphs: bool = False, initial_capacity: int = 256,
@@ -395,8 +403,7 @@ class DSparkDrafter(Drafter):
         if mode not in self._compiled:
             # the attention window (cache slots, dim 2) is symbolic: one compile serves every window
             draft, guard = fused.compile_for_graph(
-                lambda root, cache, keys, values: self.draft(root, cache, views=(keys, values)), mode, dynamic=True,
-                fullgraph=self.fullgraph)
+                lambda root, cache, keys, values: self.draft(root, cache, views=(keys, values)), mode, dynamic=True)
             extend, _ = fused.compile_for_graph(self._extend, mode)
             self._compiled[mode] = (draft, extend, guard)
         return self._compiled[mode]

@@ -166,16 +166,14 @@ class ReadyModel(DSparkModel):
         return model
 
 
-@torch.compiler.disable  # a compiled block forward runs this read eagerly (a graph break): the
-# Triton read keeps its address table of the target's buffers as host state, which neither
-# traces nor survives Inductor's functionalisation (it would copy the states it writes back)
 def _read_committed(states, pendings, trace, q, value_map):
     """The committed state read: pending accepted updates are applied (and written back: this
     read is their flush), then nothing is pending any more."""
-    reads, sqn = reader_ops.state_read(states, pendings, q, value_map, flush=True)
-    for p in pendings:
-        if p is not None:
-            p[3].zero_()
+    B = states[0].shape[0]
+    none = q.new_zeros(B, 0, 1, 1, dtype=torch.float32)  # a layer with nothing pending (zero width)
+    pend = [p if p is not None else (none, none, none, torch.zeros(B, dtype=torch.long, device=q.device))
+            for p in pendings]
+    reads, sqn = reader_ops.committed_read(states, *(list(t) for t in zip(*pend)), q, value_map)
     if trace is not None:
         trace.append(tuple(None if t is None else t.detach().clone() for t in (q, value_map, reads, sqn)))
     return reads, sqn
@@ -188,7 +186,6 @@ class ReadyDrafter(DSparkDrafter):
     """
 
     name = "ready"
-    fullgraph = False  # the state read is a graph break (`_read_committed`)
 
     def __init__(self, model: ReadyModel, target: Model, **options):
         if not isinstance(model, ReadyModel):
