@@ -169,11 +169,9 @@ class ReadyModel(DSparkModel):
 def _read_committed(states, pendings, trace, q, value_map):
     """The committed state read: pending accepted updates are applied (and written back: this
     read is their flush), then nothing is pending any more."""
-    B = states[0].shape[0]
-    none = q.new_zeros(B, 0, 1, 1, dtype=torch.float32)  # a layer with nothing pending (zero width)
-    pend = [p if p is not None else (none, none, none, torch.zeros(B, dtype=torch.long, device=q.device))
-            for p in pendings]
-    reads, sqn = reader_ops.committed_read(states, *(list(t) for t in zip(*pend)), q, value_map)
+    live = [i for i, p in enumerate(pendings) if p is not None]
+    parts = [[pendings[i][j] for i in live] for j in range(4)]
+    reads, sqn = reader_ops.committed_read(states, live, *parts, q, value_map)
     if trace is not None:
         trace.append(tuple(None if t is None else t.detach().clone() for t in (q, value_map, reads, sqn)))
     return reads, sqn

@@ -31,17 +31,22 @@ def state_read(states, pendings, queries, value_map=None, flush: bool = True):
 
 
 @torch.library.custom_op("specla::committed_read", mutates_args=("states", "lengths"))
-def committed_read(states: list[torch.Tensor], keys: list[torch.Tensor], gates: list[torch.Tensor],
-                   updates: list[torch.Tensor], lengths: list[torch.Tensor], queries: torch.Tensor,
-                   value_map: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """`state_read(..., flush=True)` over layer l's pending update (keys[l], gates[l], updates[l],
-    lengths[l]; zero-width keys: none), whose lengths are then zeroed: the read was the flush.
+def committed_read(states: list[torch.Tensor], pending_layers: list[int], keys: list[torch.Tensor],
+                   gates: list[torch.Tensor], updates: list[torch.Tensor], lengths: list[torch.Tensor],
+                   queries: torch.Tensor, value_map: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`state_read(..., flush=True)` where the layers `pending_layers[j]` hold the pending update
+    (keys[j], gates[j], updates[j], lengths[j]) and the others none; the lengths are then zeroed:
+    the read was the flush.
 
     A custom op declaring what it writes, so that inside a compiled block forward it is one
     opaque call that Inductor runs in place on the target's states: as a graph break it split
     the block forward in two, and the unfused queries and features around it cost ~40 us a
-    round on the H200 (block_round_b0eadc4.json) against ~4 us for the kernel."""
-    pendings = [None if k.shape[1] == 0 else (k, g, u, n) for k, g, u, n in zip(keys, gates, updates, lengths)]
+    round on the H200 (block_round_b0eadc4.json) against ~4 us for the kernel. Every tensor is
+    the caller's (no placeholder for a layer without an update), so the Triton kernel's address
+    table, built in the warm-up before a CUDA graph capture, is the one the capture finds."""
+    pendings = [None] * len(states)
+    for j, layer in enumerate(pending_layers):
+        pendings[layer] = (keys[j], gates[j], updates[j], lengths[j])
     reads, sqn = state_read(states, pendings, queries, value_map, flush=True)
     for n in lengths:
         n.zero_()
@@ -49,7 +54,7 @@ def committed_read(states: list[torch.Tensor], keys: list[torch.Tensor], gates: 
 
 
 @committed_read.register_fake
-def _committed_read_shape(states, keys, gates, updates, lengths, queries, value_map):
+def _committed_read_shape(states, pending_layers, keys, gates, updates, lengths, queries, value_map):
     B, HV, K, V = states[0].shape
     R = V if value_map is None else value_map.shape[2]
     dt = states[0].dtype
