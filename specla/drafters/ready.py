@@ -172,6 +172,8 @@ def _read_committed(states, pendings, trace, q, value_map):
     live = [i for i, p in enumerate(pendings) if p is not None]
     parts = [[pendings[i][j] for i in live] for j in range(4)]
     reads, sqn = reader_ops.committed_read(states, live, *parts, q, value_map)
+    for n in parts[3]:
+        n.zero_()
     if trace is not None:
         trace.append(tuple(None if t is None else t.detach().clone() for t in (q, value_map, reads, sqn)))
     return reads, sqn

@@ -5,8 +5,8 @@ contract is in `naive.py`. Dispatch follows `specla.ops`: the fused Triton kerne
 (`triton.py`) when `ops.use_triton(state)` and the states are fp32 and nothing needs
 gradients, the torch reference otherwise (float64 models, CPU, training).
 
-`committed_read` is a draft block's read as one custom op (the flush, the read, the pending
-lengths zeroed), so a compiled block forward stays one graph around it.
+`committed_read` is a draft block's read (the flush and the read) as one custom op, so a
+compiled block forward stays one graph around it.
 """
 
 from __future__ import annotations
@@ -30,13 +30,15 @@ def state_read(states, pendings, queries, value_map=None, flush: bool = True):
     return naive.state_read(states, pendings, queries, value_map, flush)
 
 
-@torch.library.custom_op("specla::committed_read", mutates_args=("states", "lengths"))
+@torch.library.custom_op("specla::committed_read", mutates_args=("states",))
 def committed_read(states: list[torch.Tensor], pending_layers: list[int], keys: list[torch.Tensor],
                    gates: list[torch.Tensor], updates: list[torch.Tensor], lengths: list[torch.Tensor],
                    queries: torch.Tensor, value_map: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """`state_read(..., flush=True)` where the layers `pending_layers[j]` hold the pending update
-    (keys[j], gates[j], updates[j], lengths[j]) and the others none; the lengths are then zeroed:
-    the read was the flush.
+    (keys[j], gates[j], updates[j], lengths[j]) and the others none. The caller zeroes the
+    lengths after it (the read was the flush): the pending buffers of several layers are views
+    of one bank, and an op writing such views gets copies of them from Inductor, made inside
+    the graph (new addresses under capture).
 
     A custom op declaring what it writes, so that inside a compiled block forward it is one
     opaque call that Inductor runs in place on the target's states: as a graph break it split
@@ -47,10 +49,7 @@ def committed_read(states: list[torch.Tensor], pending_layers: list[int], keys: 
     pendings = [None] * len(states)
     for j, layer in enumerate(pending_layers):
         pendings[layer] = (keys[j], gates[j], updates[j], lengths[j])
-    reads, sqn = state_read(states, pendings, queries, value_map, flush=True)
-    for n in lengths:
-        n.zero_()
-    return reads, sqn
+    return state_read(states, pendings, queries, value_map, flush=True)
 
 
 @committed_read.register_fake
