@@ -223,7 +223,8 @@ def test_fused_reader_reads_the_committed_state(monkeypatch):
 def test_training_forward_is_what_drafting_computes(kind):
     """The training forward over whole sequences (many anchors at once, committed states recomputed
     by the chunked scan) scores a block exactly as drafting does, with the drafted tokens as the
-    teacher-forced previous tokens."""
+    teacher-forced previous tokens. The training forward runs with gradients (its attention in
+    SDPA), drafting without (`ops.masked_attention`)."""
     cfg = tiny_config(2, vocab_size=24, num_hidden_layers=3)
     model = random_model(cfg, 2)
     m = block_model(kind, cfg, 2)
@@ -237,6 +238,7 @@ def test_training_forward_is_what_drafting_computes(kind):
         logits, _ = drafter.block_forward(x[:, -1], cache)
         prev = torch.cat([x[:, -1:], tokens[:, :-1]], 1)
         want = logits + m.seq_bias(prev)
+    with torch.enable_grad():
         y = torch.cat([x, tokens], 1)
         r = x.shape[1] - 1  # the root's position
         src = m.cfg.source_layers if kind == "ready" else []
@@ -248,7 +250,8 @@ def test_training_forward_is_what_drafting_computes(kind):
             read = lambda q, w: reader_naive.state_read(states, [None] * len(states), q, w, flush=False)  # noqa: E731
         h = m.block_hidden(m.features(hidden), emb[:, anchors[0]], anchors, read)
         got = m.logits(h[:, 1], model.lm_head.weight) + m.seq_bias(y[:, r:r + 7])
-    assert (got - want).abs().max() < 1e-10
+    assert got.requires_grad
+    assert (got.detach() - want).abs().max() < 1e-10
 
 
 # checkpoints ---------------------------------------------------------------------------------
