@@ -8,6 +8,7 @@ import lzma
 import math
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -23,7 +24,7 @@ from specla.drafters.base import MIN_WINDOW, attention_window, pad_drafts
 from specla.drafters.eagle import (EagleConfig, EagleDrafter, EagleDrafterModel, find_drafter, load_drafter,
                                    save_drafter)
 from specla.errors import CheckpointError, InputError
-from specla.train.drafter import (ResponseSet, collect_responses, generate_responses, merge_responses,
+from specla.train.drafter import (ResponseBatches, ResponseSet, collect_responses, generate_responses, merge_responses,
                                   opening_turns, prompt_corpus, save_responses, train_drafter, training_prompts)
 
 from conftest import random_model, tiny_config
@@ -313,6 +314,28 @@ def _response_data(tmp_path):
         assert r == Decoder(model).run(torch.tensor([p]), 32)[0][0]
     save_responses(tmp_path / "data.npz", [p for _, p, _ in done], [r for _, _, r in done], ["x"] * 32, {"k": 1})
     return model
+
+
+def test_response_batches_have_a_width_divisible_by_16(tmp_path):
+    """Every batch is right-padded to a multiple of 16 (one Triton specialisation of the frozen
+    target's kernels for every batch); the sequences and their labels are unchanged."""
+    prompts = [[1] * (3 + i % 4) for i in range(20)]
+    responses = [[2 + i] * (5 + 7 * i) for i in range(20)]
+    save_responses(tmp_path / "d.npz", prompts, responses, ["x"] * 20, {})
+    data = ResponseSet(tmp_path / "d.npz")
+    widths = set()
+    for seed in (None, 0):
+        batches = ResponseBatches(data, np.arange(20), 3, 100, seed)
+        for step in range(8):
+            tokens, valid = batches.get(step)
+            widths.add(tokens.shape[1])
+            assert tokens.shape[1] % 16 == 0
+            for row, v in zip(tokens.tolist(), valid):
+                i = row[len([t for t in row if t == 1])] - 2  # which sequence: its response token
+                seq = (prompts[i] + responses[i])[:100]
+                assert row[:len(seq)] == seq and not any(row[len(seq):])
+                assert v.nonzero().flatten().tolist() == list(range(len(prompts[i]) - 1, len(seq) - 1))
+    assert len(widths) > 1
 
 
 def test_training_resumes_and_raises_acceptance(tmp_path):

@@ -265,8 +265,16 @@ class ResponseSet:
         return np.sort(perm[n_val:]), np.sort(perm[:n_val])
 
 
+# A batch's width is rounded up to a multiple of this. Triton specialises a kernel's integer
+# arguments on their divisibility by 16, so batches whose lengths fell on both sides of it
+# compiled every kernel of the frozen target's forward twice, the second time inside the run
+# (44 of the 45 s of a DSpark run's second step on the H200, blocks_train_aa91f03.json).
+WIDTH_MULTIPLE = 16
+
+
 class ResponseBatches:
-    """Batches of whole sequences, right-padded: (tokens [B, T], valid [B, T]).
+    """Batches of whole sequences, right-padded to a multiple of `WIDTH_MULTIPLE`: (tokens
+    [B, T], valid [B, T]).
 
     valid[b, j]: position j's target distribution is a label, i.e. it predicts a response
     token (prompt_len - 1 <= j <= len - 2). Random batches (seed given) depend only on
@@ -291,7 +299,7 @@ class ResponseBatches:
             rng = np.random.default_rng([self.seed, step, self.rank])
             picks = self.index[rng.integers(0, len(self.index), size=self.bs)]
         seqs = [self.data.sequence(i)[:self.T] for i in picks]
-        T = max(len(s) for s in seqs)
+        T = -(-max(len(s) for s in seqs) // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
         tokens = np.zeros((self.bs, T), dtype=np.int64)
         valid = np.zeros((self.bs, T), dtype=bool)
         for b, (i, s) in enumerate(zip(picks, seqs)):
