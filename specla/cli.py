@@ -155,7 +155,8 @@ def bench_e2e(
 
     bad = sorted(set(routes.split(",")) - set(ROUTES))
     if bad:  # suites are checked where they load (`load_suite`), before the model loads
-        raise InputError(f"unknown route or suite {bad}: routes {', '.join(ROUTES)}")
+        raise InputError(f"unknown route{'s' if len(bad) > 1 else ''} {', '.join(bad)} in --routes; "
+                         f"the routes are {', '.join(ROUTES)}")
     try:
         k, n = (int(x) for x in shard.split("/"))
         assert 0 <= k < n

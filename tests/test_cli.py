@@ -201,7 +201,7 @@ def test_api_rejects_bad_ids_and_topologies(model_dir):
 @pytest.mark.parametrize("args,msg", [
     (["train", "drafter", "--kind", "medusa"], "--kind 'medusa': choose one of eagle, dspark, ready, dspark-ft"),
     (["data", "responses", "--shard", "2/2"], "--shard"),
-    (["bench", "e2e", "--routes", "ar,beam"], "unknown route or suite"),
+    (["bench", "e2e", "--routes", "ar,beam"], "unknown route beam in --routes"),
     (["bench", "ready", "--rows", "ready,medusa"], "--rows"),
     (["bench", "rounds", "--warm-routes", "ar,medusa"], "unknown route(s) medusa"),
     (["bench", "controlled", "--lengths", "0,5"], "--lengths must be positive"),
