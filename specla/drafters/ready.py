@@ -11,9 +11,10 @@ residual in chosen draft layers (default: the last, after attention):
 
 With `reader_rank=None` ("full") the query is a direct projection and the reads keep all V
 dims. S is the *committed* state: in delayed-commit mode the cache's S lags one round (the
-last accepted path is pending), and the read goes through `specla.ops.reader.state_read`,
-which applies the pending update, writes the advanced state back (the read is the flush —
-one fused kernel on CUDA) and lets the drafter zero the pending lengths.
+last accepted path is pending), and the read goes through `specla.ops.reader.committed_read`
+(one custom op inside the compiled block forward), which applies the pending update, writes
+the advanced state back (the read is the flush — one fused kernel on CUDA) and lets the
+drafter zero the pending lengths.
 
 `ReadyModel.from_dspark` starts a ReaDy drafter from a trained DSpark one (the reader's output
 projection is zero, so it starts as exactly that drafter); `reader_parameters` are what stage 1
