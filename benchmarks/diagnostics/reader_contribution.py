@@ -5,7 +5,7 @@ fine-tuned control. This scores the shipped drafters on the held-out responses e
 training validates them (`train.block_drafter.evaluate`: per-position top-1, survival of full
 blocks, accepted length), and ReaDy twice more: with its reader's output zeroed (the same
 weights, no state access) and with the reader fed another sequence's states (the batch rolled
-by one row). It also records the reader's residual norm against the stream it is added to.
+by one sequence). It also records the reader's residual norm against the stream it is added to.
 If zeroing or misrouting the reads moves nothing, the drafter does not use them.
 
     python benchmarks/diagnostics/reader_contribution.py --data .run/responses.npz [--batches 4] [--out FILE]
@@ -55,13 +55,14 @@ def main():
     rows = {}
     for name, model in (("dspark", load_block_drafter(DEMO_DIR / "dspark", target).float()),
                         ("dspark-ft", load_block_drafter(DEMO_DIR / "dspark-ft", target).float()),
-                        ("ready", ready), ("ready, reader zeroed", zeroed), ("ready, states of another row", ready)):
+                        ("ready", ready), ("ready, reader zeroed", zeroed), ("ready, states of another sequence", ready)):
         model.eval()
         handles = [r.register_forward_hook(hook) for r in model.readers.values()] if name == "ready" else []
-        roll = name.endswith("another row")
+        roll = name.endswith("another sequence")
         orig = bd.committed_states
-        if roll:  # every row reads the states the next row's anchors would have read
-            bd.committed_states = lambda *args, **kw: [s.roll(1, 0) for s in orig(*args, **kw)]
+        if roll:  # every block reads the states of the same anchor slot in the previous sequence
+            bd.committed_states = lambda target, inputs, anchors, *rest: [
+                s.roll(anchors.shape[1], 0) for s in orig(target, inputs, anchors, *rest)]  # [B * A, ...]
         try:
             rows[name] = bd.evaluate(bd.BlockLoss(model), target, val, n, 16, 0)
         finally:
