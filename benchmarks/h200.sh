@@ -86,10 +86,11 @@ blocks() {  # blocks DSPARK_MIN ADAPT_MIN [ADAPT_STEPS]: DSpark from scratch, th
   # and 2, half the adaptation each) beside the fine-tuned control (the whole adaptation). By
   # time alone the control, ~1.5x faster a step, ran 2,740 steps to ReaDy's 2,185 (aa91f03);
   # with ADAPT_STEPS each stage runs half of them and the control all, ADAPT_MIN a run's cap
-  local half s1=() s2=() ft=()
-  half=$(python3 -c "print($2 / 2)")
+  local half=$2 s1=() s2=() ft=()
   if [ -n "${3:-}" ]; then
-    half=$2; s1=(--total-steps $(( $3 / 2 ))); s2=(--total-steps $(( $3 - $3 / 2 ))); ft=(--total-steps "$3")
+    s1=(--total-steps $(( $3 / 2 ))); s2=(--total-steps $(( $3 - $3 / 2 ))); ft=(--total-steps "$3")
+  else
+    half=$(python3 -c "print($2 / 2)")
   fi
   block dspark "$1" --kind dspark
   ( block ready1 "$half" --kind ready --stage 1 --init-from "$BD/dspark/export" "${s1[@]}" &&
