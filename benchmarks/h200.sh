@@ -82,22 +82,28 @@ block() {  # block NAME MINUTES ARGS...: one block-drafter training run, log in 
   tail -n 1 "$STAGE/$name.log"
 }
 
-blocks() {  # blocks DSPARK_MIN ADAPT_MIN [ADAPT_STEPS]: DSpark from scratch, then ReaDy (stage 1
-  # and 2, half the adaptation each) beside the fine-tuned control (the whole adaptation). By
-  # time alone the control, ~1.5x faster a step, ran 2,740 steps to ReaDy's 2,185 (aa91f03);
-  # with ADAPT_STEPS each stage runs half of them and the control all, ADAPT_MIN a run's cap
-  local half=$2 s1=() s2=() ft=()
-  if [ -n "${3:-}" ]; then
-    s1=(--total-steps $(( $3 / 2 ))); s2=(--total-steps $(( $3 - $3 / 2 ))); ft=(--total-steps "$3")
-  else
-    half=$(python3 -c "print($2 / 2)")
-  fi
+blocks() {  # blocks DSPARK_MIN ADAPT_MIN [ADAPT_STEPS]: DSpark from scratch, then `adapt`
   block dspark "$1" --kind dspark
+  adapt "$2" "${3:-}"
+}
+
+adapt() {  # adapt ADAPT_MIN [ADAPT_STEPS]: from $BD/dspark/export (or a carried .run/blocks/dspark),
+  # ReaDy (stage 1 and 2, half the adaptation each) beside the fine-tuned control (the whole
+  # adaptation). By time alone the control, ~1.5x faster a step, ran 2,740 steps to ReaDy's 2,185
+  # (aa91f03); with ADAPT_STEPS each stage runs half of them and the control all, ADAPT_MIN a run's cap
+  local half=$1 s1=() s2=() ft=()
+  if [ ! -d "$BD/dspark/export" ]; then mkdir -p "$BD/dspark" && cp -r .run/blocks/dspark "$BD/dspark/export"; fi
+  if [ -n "${2:-}" ]; then
+    s1=(--total-steps $(( $2 / 2 ))); s2=(--total-steps $(( $2 - $2 / 2 ))); ft=(--total-steps "$2")
+  else
+    half=$(python3 -c "print($1 / 2)")
+  fi
   ( block ready1 "$half" --kind ready --stage 1 --init-from "$BD/dspark/export" "${s1[@]}" &&
     block ready "$half" --kind ready --stage 2 --init-from "$BD/ready1/export" "${s2[@]}" ) &
-  block dspark-ft "$2" --kind dspark-ft --init-from "$BD/dspark/export" "${ft[@]}" &
+  block dspark-ft "$1" --kind dspark-ft --init-from "$BD/dspark/export" "${ft[@]}" &
   wait
-  for n in dspark ready dspark-ft; do pack "$n" "$BD/$n"; done
+  for n in ready dspark-ft; do pack "$n" "$BD/$n"; done
+  [ -d .run/blocks/dspark ] || pack dspark "$BD/dspark"
 }
 
 ablate() {  # ablate MINUTES [STEPS]: ReaDy stage-1 variants from the committed DSpark, side by
@@ -139,6 +145,8 @@ run_step() {
     block:*) IFS=: read -r _ name mins args <<<"$step"; args=${args//,/ }; block "$name" "$mins" ${args//%/,}  # block:NAME:MIN:ARG,...
       pack "$name" "$BD/$name" ;;
     blocks:*) IFS=: read -r _ a b c <<<"$step"; blocks "$a" "$b" "$c" ;;  # blocks:DSPARK_MIN:ADAPT_MIN[:ADAPT_STEPS]
+    adapt:*) IFS=: read -r _ a b <<<"$step"; adapt "$a" "$b" ;;  # adapt:ADAPT_MIN[:ADAPT_STEPS]
+    join) wait ;;  # the bg: steps started so far
     ablate:*) IFS=: read -r _ mins steps <<<"$step"; ablate "$mins" "$steps" ;;
     bench-ablations:*) IFS=: read -r _ secs n <<<"$step"; bench_ablations "$secs" "$n" ;;
     diag:*) IFS=: read -r _ name secs args <<<"$step"  # diag:NAME[:SECONDS[:ARG,...]]: benchmarks/diagnostics/NAME.py
