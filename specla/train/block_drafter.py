@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from pathlib import Path
 
 import numpy as np
@@ -57,9 +56,9 @@ from specla.model import GatedDeltaNet, Model
 from specla.ops.conv import naive as conv_ref
 from specla.ops.reader import naive as reader_ref
 from specla.precision import accumulation_dtype
-from specla.train.dist import finish, setup, wrap
+from specla.train.dist import wrap
 from specla.train.drafter import ResponseBatches, ResponseSet, frozen_target
-from specla.train.loop import RunClock, load_checkpoint, optimizer_step, run_steps, save_checkpoint
+from specla.train.loop import TrainingRun, optimizer_step
 
 KINDS = ("dspark", "dspark-ft", "ready")
 # ReaDy Table 8: AdamW (0.9, 0.999), eps 1e-8, no weight decay; stage 1 lr 1e-4, stage 2 lr 5e-5
@@ -309,28 +308,22 @@ def train_block_drafter(target_dir, out_dir, data, kind: str = "dspark", init_fr
     options (source_layers, reader_rank ("full" or None: no bottleneck), inject_layers,
     inject_site) apply when a ReaDy drafter is built from a DSpark one. Re-run to resume.
     """
-    from tqdm import tqdm
-
     if kind not in KINDS:
         raise InputError(f"unknown kind {kind!r}; choose one of {', '.join(KINDS)}")
     if stage not in (1, 2):
         raise InputError(f"stage must be 1 or 2, got {stage}")
     scratch = kind == "dspark"
     stage = 0 if scratch else 2 if kind == "dspark-ft" else stage  # 0: not an adaptation stage
-    t_start = time.time()
     dataset = ResponseSet(data)  # read first: a bad path fails before the target loads
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    dev, rank, world, distributed = setup(device)
-    main = rank == 0
+    run = TrainingRun(out_dir, device)
+    dev = run.dev
     target = frozen_target(target_dir, dev)
 
-    ckpt_path = out / "ckpt.pt"
-    ckpt = load_checkpoint(ckpt_path)
+    ckpt = run.load()
     counters = {"step": 0, "train_seconds": 0.0, "sequences_seen": 0, "total_steps": None}
     if ckpt is not None:
         if (ckpt["kind"], ckpt["stage"]) != (kind, stage):
-            raise InputError(f"{out} holds a {ckpt['kind']} stage-{ckpt['stage']} run; asked for {kind} stage {stage}")
+            raise InputError(f"{run.out} holds a {ckpt['kind']} stage-{ckpt['stage']} run; asked for {kind} stage {stage}")
     elif init_from is not None:
         state = json.loads((Path(init_from) / "training_state.json").read_text()) \
             if (Path(init_from) / "training_state.json").is_file() else {}
@@ -372,28 +365,22 @@ def train_block_drafter(target_dir, out_dir, data, kind: str = "dspark", init_fr
     step, train_seconds, seqs_seen = counters["step"], counters["train_seconds"], counters["sequences_seen"]
     total_steps = total_steps or counters["total_steps"]
     loss_fn = BlockLoss(model, step_decay, tv_weight, conf_weight)
-    net = wrap(loss_fn, dev, distributed)
+    net = wrap(loss_fn, dev, run.distributed)
 
     train_idx, val_idx = dataset.split(val_fraction, seed)
-    train = ResponseBatches(dataset, train_idx, batch_size, seq_len, seed, rank)
+    train = ResponseBatches(dataset, train_idx, batch_size, seq_len, seed, run.rank)
     val = ResponseBatches(dataset, val_idx, batch_size, seq_len)
     eval_batches = min(eval_batches, len(val))
-    log = open(out / "train_log.jsonl", "a") if main else None
-    if main and ckpt is None:
-        log.write(json.dumps({
-            "event": "start", "kind": kind, "stage": stage, "model_type": model.model_type,
-            "config": dataclasses.asdict(model.cfg), "target": str(target_dir), "init_from": str(init_from),
-            "params": sum(p.numel() for p in model.parameters()), "trainable": sum(p.numel() for p in train_params),
-            "data": str(data), "train_sequences": len(train_idx), "val_sequences": len(val_idx),
-            "batch_size": batch_size * world, "seq_len": seq_len, "anchors": anchors, "lr": lr, "world": world,
-            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}) + "\n")
+    run.header(ckpt is not None, kind=kind, stage=stage, model_type=model.model_type,
+               config=dataclasses.asdict(model.cfg), target=str(target_dir), init_from=str(init_from),
+               params=sum(p.numel() for p in model.parameters()), trainable=sum(p.numel() for p in train_params),
+               data=str(data), train_sequences=len(train_idx), val_sequences=len(val_idx),
+               batch_size=batch_size * run.world, seq_len=seq_len, anchors=anchors, lr=lr)
 
     def save(step: int, train_seconds: float) -> None:
-        if not main:
-            return
-        save_checkpoint({"kind": kind, "stage": stage, "model_type": model.model_type, "config": dataclasses.asdict(model.cfg),
-                    "model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                    "train_seconds": train_seconds, "sequences_seen": seqs_seen, "total_steps": clock.total_steps}, ckpt_path)
+        run.save({"kind": kind, "stage": stage, "model_type": model.model_type, "config": dataclasses.asdict(model.cfg),
+                  "model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                  "train_seconds": train_seconds, "sequences_seen": seqs_seen, "total_steps": run.clock.total_steps})
 
     metrics, evaluated_at = {}, None
 
@@ -401,53 +388,45 @@ def train_block_drafter(target_dir, out_dir, data, kind: str = "dspark", init_fr
         nonlocal metrics, evaluated_at
         evaluated_at = step
         metrics = evaluate(loss_fn, target, val, eval_batches, anchors, seed, chunk)
-        if main:
-            log.write(json.dumps({"step": step, **metrics, "train_seconds": round(train_seconds, 1)}) + "\n")
-            log.flush()
+        run.record({"step": step, **metrics, "train_seconds": round(train_seconds, 1)}, flush=True)
 
     def train_step(step: int):
         nonlocal seqs_seen
+        clock = run.clock
         with clock.phase("batch and target"):
-            *args, states = _batch(target, model, train, step, anchors, seed, rank, dev, chunk)
+            *args, states = _batch(target, model, train, step, anchors, seed, run.rank, dev, chunk)
         cur_lr = clock.lr(step, lr, warmup)
         with clock.phase("update"):
             (loss, stats), gnorm = optimizer_step(opt, train_params, cur_lr, dev,
                                                   lambda: net(*args, target.lm_head.weight, states))
-        seqs_seen += batch_size * world
+        seqs_seen += batch_size * run.world
         return loss, stats, gnorm, cur_lr
 
     def after_step(step: int, train_seconds: float, result) -> None:
         loss, stats, gnorm, cur_lr = result
-        if main and step % log_every == 0:
+        if run.main and step % log_every == 0:
             s = summarize(stats)
-            bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{s['top1'][0]:.3f}", tau=f"{s['accept_length']:.2f}")
-            log.write(json.dumps({"step": step, "loss": round(loss.item(), 4), "top1": s["top1"],
-                                  "accept_length": s["accept_length"], "lr": cur_lr, "grad_norm": round(float(gnorm), 3),
-                                  "sequences": seqs_seen, "train_seconds": round(train_seconds, 1)}) + "\n")
+            run.bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{s['top1'][0]:.3f}", tau=f"{s['accept_length']:.2f}")
+            run.record({"step": step, "loss": round(loss.item(), 4), "top1": s["top1"],
+                        "accept_length": s["accept_length"], "lr": cur_lr, "grad_norm": round(float(gnorm), 3),
+                        "sequences": seqs_seen, "train_seconds": round(train_seconds, 1)})
         if step % eval_every == 0:
             validate(step, train_seconds)
 
     model.train()
-    clock = RunClock(total_steps, total_minutes, max_minutes, checkpoint_minutes, dev, distributed)
-    bar = tqdm(total=total_steps, initial=step, desc=f"train {kind}" + ("" if scratch else f" stage {stage}"),
-               unit="step", disable=not (progress and main))
-    step, train_seconds = run_steps(clock, bar, step, train_seconds, train_step, after_step, save)
-    total_steps = clock.total_steps
+    desc = f"train {kind}" + ("" if scratch else f" stage {stage}")
+    step, train_seconds = run.steps(total_steps, total_minutes, max_minutes, checkpoint_minutes, step, train_seconds,
+                                    train_step, after_step, save, desc, progress)
     if evaluated_at != step:
         validate(step, train_seconds)
     save(step, train_seconds)
-    summary = {"kind": kind, "stage": stage, "step": step, "total_steps": total_steps,
-               "finished": total_steps is not None and step >= total_steps, "sequences_seen": seqs_seen,
-               "train_seconds": round(train_seconds, 1), **metrics, "wall_seconds": round(time.time() - t_start, 1),
-               "first_steps_seconds": clock.first_steps,
-               "first_steps_phases": clock.first_phases}
-    if main:
-        log.write(json.dumps({"event": "end_of_run", **summary}) + "\n")
-        log.close()
-        export = save_block_drafter(model, out / "export", dtype=torch.bfloat16)
-        (export / "training_state.json").write_text(json.dumps(
+
+    def export() -> None:
+        out = save_block_drafter(model, run.out / "export", dtype=torch.bfloat16)
+        (out / "training_state.json").write_text(json.dumps(
             {"kind": kind, "stage": stage, "model_type": model.model_type, "config": dataclasses.asdict(model.cfg),
-             "step": step, "train_seconds": train_seconds, "sequences_seen": seqs_seen, "total_steps": total_steps,
-             "target": str(target_dir), "init_from": str(init_from) if init_from else None, **metrics}) + "\n")
-    finish(distributed)
-    return summary
+             "step": step, "train_seconds": train_seconds, "sequences_seen": seqs_seen,
+             "total_steps": run.clock.total_steps, "target": str(target_dir),
+             "init_from": str(init_from) if init_from else None, **metrics}) + "\n")
+
+    return run.close(step, train_seconds, export, kind=kind, stage=stage, sequences_seen=seqs_seen, **metrics)

@@ -39,8 +39,8 @@ from specla.drafters.eagle import EagleConfig, EagleDrafterModel, load_drafter, 
 from specla.errors import InputError
 from specla.model import Model
 from specla.precision import accumulation_dtype
-from specla.train.dist import finish, setup, wrap
-from specla.train.loop import RunClock, load_checkpoint, optimizer_step, run_steps, save_checkpoint
+from specla.train.dist import wrap
+from specla.train.loop import TrainingRun, optimizer_step
 
 
 # --------------------------------------------------------------------------- prompts
@@ -435,18 +435,13 @@ def train_drafter(target_dir, out_dir, data, total_steps: int | None = None, tot
     The schedule (warmup, cosine to 10%) spans total_steps, or, if not given, is fixed after a
     short calibration to fit total_minutes of training. Re-run the same command to resume.
     """
-    from tqdm import tqdm
-
-    t_start = time.time()
     dataset = ResponseSet(data)  # read first: a bad path fails before the target loads
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    dev, rank, world, distributed = setup(device)
-    main = rank == 0
+    run = TrainingRun(out_dir, device)
+    dev = run.dev
     target = frozen_target(target_dir, dev)
 
-    ckpt_path = out / "ckpt.pt"
-    ckpt = load_checkpoint(ckpt_path)
+    ckpt = run.load()
+    resumed = ckpt is not None
     if ckpt is None and init_from is not None:
         # continue from an exported run (weights and counters; the optimiser starts afresh)
         state = json.loads((Path(init_from) / "training_state.json").read_text())
@@ -471,42 +466,34 @@ def train_drafter(target_dir, out_dir, data, total_steps: int | None = None, tot
             opt.load_state_dict(ckpt["optimizer"])
         step, train_seconds, seqs_seen = ckpt["step"], ckpt["train_seconds"], ckpt["sequences_seen"]
         total_steps = total_steps or ckpt.get("total_steps")
-    net = wrap(_TTTLoss(drafter, unroll, step_decay), dev, distributed)
+    net = wrap(_TTTLoss(drafter, unroll, step_decay), dev, run.distributed)
 
     train_idx, val_idx = dataset.split(val_fraction, seed)
-    train = ResponseBatches(dataset, train_idx, batch_size, seq_len, seed, rank)
+    train = ResponseBatches(dataset, train_idx, batch_size, seq_len, seed, run.rank)
     val = ResponseBatches(dataset, val_idx, batch_size, seq_len)
     eval_batches = min(eval_batches, len(val))
-    log = open(out / "train_log.jsonl", "a") if main else None
-    if main and ckpt is None:
-        log.write(json.dumps({"event": "start", "config": dataclasses.asdict(cfg), "target": str(target_dir),
-                              "params": sum(p.numel() for p in drafter.parameters()), "data": str(data),
-                              "train_sequences": len(train_idx), "val_sequences": len(val_idx),
-                              "batch_size": batch_size * world, "seq_len": seq_len, "lr": lr, "unroll": unroll,
-                              "world": world, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"})
-                  + "\n")
+    run.header(resumed or init_from is not None, config=dataclasses.asdict(cfg), target=str(target_dir),
+               params=sum(p.numel() for p in drafter.parameters()), data=str(data),
+               train_sequences=len(train_idx), val_sequences=len(val_idx), batch_size=batch_size * run.world,
+               seq_len=seq_len, lr=lr, unroll=unroll)
 
     def save(step: int, train_seconds: float) -> None:
-        if not main:
-            return
-        save_checkpoint({"config": dataclasses.asdict(cfg), "model": drafter.state_dict(), "optimizer": opt.state_dict(),
-                    "step": step, "train_seconds": train_seconds, "sequences_seen": seqs_seen,
-                    "total_steps": clock.total_steps}, ckpt_path)
+        run.save({"config": dataclasses.asdict(cfg), "model": drafter.state_dict(), "optimizer": opt.state_dict(),
+                  "step": step, "train_seconds": train_seconds, "sequences_seen": seqs_seen,
+                  "total_steps": run.clock.total_steps})
 
     drafter.train()
-    clock = RunClock(total_steps, total_minutes, max_minutes, checkpoint_minutes, dev, distributed)
     metrics, evaluated_at = {}, None
 
     def validate(step: int, train_seconds: float) -> None:
         nonlocal metrics, evaluated_at
         evaluated_at = step
         metrics = evaluate(drafter, target, val, eval_batches, unroll, step_decay)
-        if main:
-            log.write(json.dumps({"step": step, **metrics, "train_seconds": round(train_seconds, 1)}) + "\n")
-            log.flush()
+        run.record({"step": step, **metrics, "train_seconds": round(train_seconds, 1)}, flush=True)
 
     def train_step(step: int):
         nonlocal seqs_seen
+        clock = run.clock
         with clock.phase("batch"):
             tokens, valid = (t.to(dev, non_blocking=True) for t in train.get(step))
         with clock.phase("target"):
@@ -515,36 +502,30 @@ def train_drafter(target_dir, out_dir, data, total_steps: int | None = None, tot
         with clock.phase("update"):
             (loss, top1), gnorm = optimizer_step(opt, drafter.parameters(), cur_lr, dev,
                                                  lambda: net(hidden, emb, logp, valid, target.lm_head.weight))
-        seqs_seen += batch_size * world
+        seqs_seen += batch_size * run.world
         return loss, top1, gnorm, cur_lr
 
     def after_step(step: int, train_seconds: float, result) -> None:
         loss, top1, gnorm, cur_lr = result
-        if main and step % log_every == 0:
-            bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{top1[0].item():.3f}")
-            log.write(json.dumps({"step": step, "loss": round(loss.item(), 4), "top1": [round(x, 4) for x in top1.tolist()],
-                                  "lr": cur_lr, "grad_norm": round(float(gnorm), 3), "sequences": seqs_seen,
-                                  "train_seconds": round(train_seconds, 1)}) + "\n")
+        if run.main and step % log_every == 0:
+            run.bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{top1[0].item():.3f}")
+            run.record({"step": step, "loss": round(loss.item(), 4), "top1": [round(x, 4) for x in top1.tolist()],
+                        "lr": cur_lr, "grad_norm": round(float(gnorm), 3), "sequences": seqs_seen,
+                        "train_seconds": round(train_seconds, 1)})
         if step % eval_every == 0:
             validate(step, train_seconds)
 
-    bar = tqdm(total=total_steps, initial=step, desc="train drafter", unit="step", disable=not (progress and main))
-    step, train_seconds = run_steps(clock, bar, step, train_seconds, train_step, after_step, save)
-    total_steps = clock.total_steps
+    step, train_seconds = run.steps(total_steps, total_minutes, max_minutes, checkpoint_minutes, step, train_seconds,
+                                    train_step, after_step, save, "train drafter", progress)
     if evaluated_at != step:  # every run ends with a validation
         validate(step, train_seconds)
     save(step, train_seconds)
-    summary = {"step": step, "total_steps": total_steps, "finished": total_steps is not None and step >= total_steps,
-               "sequences_seen": seqs_seen, "train_seconds": round(train_seconds, 1), **metrics,
-               "wall_seconds": round(time.time() - t_start, 1), "first_steps_seconds": clock.first_steps,
-               "first_steps_phases": clock.first_phases}
-    if main:
-        log.write(json.dumps({"event": "end_of_run", **summary}) + "\n")
-        log.close()
-        export = save_drafter(drafter, out / "export", dtype=torch.bfloat16)
-        (export / "training_state.json").write_text(json.dumps(
+
+    def export() -> None:
+        out = save_drafter(drafter, run.out / "export", dtype=torch.bfloat16)
+        (out / "training_state.json").write_text(json.dumps(
             {"config": dataclasses.asdict(cfg), "step": step, "train_seconds": train_seconds,
-             "sequences_seen": seqs_seen, "total_steps": total_steps, "target": str(target_dir),
+             "sequences_seen": seqs_seen, "total_steps": run.clock.total_steps, "target": str(target_dir),
              "unroll": unroll, **metrics}) + "\n")
-    finish(distributed)
-    return summary
+
+    return run.close(step, train_seconds, export, sequences_seen=seqs_seen, **metrics)

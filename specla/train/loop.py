@@ -1,5 +1,5 @@
-"""Time-bounded, resumable training runs: the schedule, the clock, the stopping rule and the step
-loop the trainers share (`run_steps`).
+"""Time-bounded, resumable training runs: the schedule, the clock, the stopping rule, the step
+loop and the run's bookkeeping the three trainers share (`TrainingRun`).
 
 A run trains for at most `max_minutes`, then checkpoints and exits; the same command resumes.
 When the schedule length is not given, it is fixed after measuring the pace over
@@ -10,11 +10,14 @@ schedule spans `total_minutes` of training. Under DDP every decision comes from 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import time
 from pathlib import Path
 
 import torch
+
+from specla.train.dist import finish, setup
 
 # Kernel compilation and autotuning go on for the first shapes a run meets: on the H200 a
 # block-drafter run's steps 6-20 still ran ~5x slower than later ones, and calibrating over
@@ -171,3 +174,68 @@ def load_checkpoint(path) -> dict | None:
     """What `save_checkpoint` wrote at path, or None when there is none (a fresh run)."""
     path = Path(path)
     return torch.load(path, map_location="cpu", weights_only=False) if path.is_file() else None
+
+
+class TrainingRun:
+    """One process's share of a training run: the process group, the run directory, its log
+    (`train_log.jsonl`, written by rank 0) and `ckpt.pt`, the step loop and the end of run.
+
+    A trainer opens one, builds its model from `load()` (None: a fresh run), says what it
+    trains with `header`, runs `steps` and ends with `close`, which returns the summary."""
+
+    def __init__(self, out_dir, device: str):
+        self.t_start = time.time()
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.dev, self.rank, self.world, self.distributed = setup(device)
+        self.main = self.rank == 0
+        self.ckpt_path = self.out / "ckpt.pt"
+        self._log = None
+        self.clock: RunClock | None = None
+
+    def load(self) -> dict | None:
+        """This run's checkpoint, or None when it starts afresh."""
+        return load_checkpoint(self.ckpt_path)
+
+    def record(self, entry: dict, flush: bool = False) -> None:
+        """Append one line to the log (rank 0; the others log nothing)."""
+        if not self.main:
+            return
+        if self._log is None:
+            self._log = open(self.out / "train_log.jsonl", "a")
+        self._log.write(json.dumps(entry) + "\n")
+        if flush:
+            self._log.flush()
+
+    def header(self, resumed: bool, **entry) -> None:
+        """The log's first line, once per run (not again when it resumes)."""
+        if not resumed:
+            device = torch.cuda.get_device_name(self.dev) if self.dev.type == "cuda" else "cpu"
+            self.record({"event": "start", **entry, "world": self.world, "device": device})
+
+    def save(self, state: dict) -> None:
+        if self.main:
+            save_checkpoint(state, self.ckpt_path)
+
+    def steps(self, total_steps: int | None, total_minutes: float, max_minutes: float, checkpoint_minutes: float,
+              step: int, train_seconds: float, train_step, after_step, save, desc: str,
+              progress: bool) -> tuple[int, float]:
+        """`run_steps` under a new clock (`self.clock`) and progress bar."""
+        from tqdm import tqdm
+
+        self.clock = RunClock(total_steps, total_minutes, max_minutes, checkpoint_minutes, self.dev, self.distributed)
+        self.bar = tqdm(total=total_steps, initial=step, desc=desc, unit="step", disable=not (progress and self.main))
+        return run_steps(self.clock, self.bar, step, train_seconds, train_step, after_step, save)
+
+    def close(self, step: int, train_seconds: float, export, **summary) -> dict:
+        """Log the end of the run, export (rank 0: `export()`), leave the process group; the summary."""
+        clock = self.clock
+        summary = {"step": step, "total_steps": clock.total_steps, "finished": clock.finished(step), **summary,
+                   "train_seconds": round(train_seconds, 1), "wall_seconds": round(time.time() - self.t_start, 1),
+                   "first_steps_seconds": clock.first_steps, "first_steps_phases": clock.first_phases}
+        if self.main:
+            self.record({"event": "end_of_run", **summary})
+            self._log.close()
+            export()
+        finish(self.distributed)
+        return summary

@@ -11,7 +11,6 @@ import dataclasses
 import json
 import math
 import shutil
-import time
 from pathlib import Path
 
 import torch
@@ -20,8 +19,8 @@ import torch.nn.functional as F
 
 from specla.config import ModelConfig
 from specla.model import Model
-from specla.train.dist import finish, setup, wrap
-from specla.train.loop import RunClock, load_checkpoint, optimizer_step, run_steps, save_checkpoint
+from specla.train.dist import wrap
+from specla.train.loop import TrainingRun, optimizer_step
 
 def demo_config(tokenizer) -> ModelConfig:
     """The shipped demo target: depth over width within the 28 MB budget (DESIGN §9)."""
@@ -66,21 +65,16 @@ def train_target(out_dir, corpus_dir, tokenizer_dir, config: ModelConfig | None 
                  lr: float = 2e-3, warmup: int = 200, weight_decay: float = 0.1, eval_every: int = 250,
                  eval_batches: int = 8, log_every: int = 10, checkpoint_minutes: float = 2.0, seed: int = 0, device: str = "auto",
                  init_from: Path | None = None, progress: bool = True) -> dict:
-    from tqdm import tqdm
-
     from specla.checkpoint import save_model
     from specla.data.tokenizer import load_tokenizer
     from specla.train.data import Batches, tokenize_split
 
-    t_start = time.time()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    dev, rank, world, distributed = setup(device)
-    main = rank == 0
+    run = TrainingRun(out_dir, device)
+    dev, out = run.dev, run.out
     tok = load_tokenizer(tokenizer_dir)
 
-    ckpt_path = out / "ckpt.pt"
-    ckpt = load_checkpoint(ckpt_path)
+    ckpt = run.load()
+    resumed = ckpt is not None
     if ckpt is None and init_from is not None:
         # Continue from an exported run (weights and counters; the optimiser starts afresh),
         # for when the machine that held ckpt.pt is gone.
@@ -105,25 +99,21 @@ def train_target(out_dir, corpus_dir, tokenizer_dir, config: ModelConfig | None 
             opt.load_state_dict(ckpt["optimizer"])
         step, train_seconds, tokens_seen = ckpt["step"], ckpt["train_seconds"], ckpt["tokens_seen"]
         total_steps = total_steps or ckpt.get("total_steps")
-    net = wrap(_LossModule(model), dev, distributed)
+    net = wrap(_LossModule(model), dev, run.distributed)
 
     corpus_dir = Path(corpus_dir)
     splits = [(split, out / f"tokens_{split}.npy") for split in ("train", "val")]
-    if main:  # rank 0 tokenises once; the other ranks read its cache
+    if run.main:  # rank 0 tokenises once; the other ranks read its cache
         for split, cache in splits:
             tokenize_split(corpus_dir, split, tok, cache, progress)
-    if distributed:
+    if run.distributed:
         torch.distributed.barrier()
     train_tokens, val_tokens = (tokenize_split(corpus_dir, split, tok, cache, False) for split, cache in splits)
-    train = Batches(train_tokens, batch_size, seq_len, seed, rank, world)
+    train = Batches(train_tokens, batch_size, seq_len, seed, run.rank, run.world)
     val = Batches(val_tokens, batch_size, seq_len, seed + 1)
-    log = open(out / "train_log.jsonl", "a") if main else None
-    if main and ckpt is None:
-        n_params = sum(p.numel() for p in model.parameters())
-        log.write(json.dumps({"event": "start", "config": dataclasses.asdict(cfg), "params": n_params,
-                              "train_tokens": int(len(train_tokens)), "val_tokens": int(len(val_tokens)),
-                              "batch_size": batch_size * world, "seq_len": seq_len, "lr": lr, "world": world,
-                              "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}) + "\n")
+    run.header(resumed or init_from is not None, config=dataclasses.asdict(cfg),
+               params=sum(p.numel() for p in model.parameters()), train_tokens=int(len(train_tokens)),
+               val_tokens=int(len(val_tokens)), batch_size=batch_size * run.world, seq_len=seq_len, lr=lr)
 
     @torch.no_grad()
     def evaluate() -> float:
@@ -136,57 +126,45 @@ def train_target(out_dir, corpus_dir, tokenizer_dir, config: ModelConfig | None 
         return sum(losses) / len(losses)
 
     def save(step: int, train_seconds: float) -> None:
-        if not main:
-            return
-        save_checkpoint({"config": dataclasses.asdict(cfg), "model": model.state_dict(), "optimizer": opt.state_dict(),
-                    "step": step, "train_seconds": train_seconds, "tokens_seen": tokens_seen,
-                    "total_steps": clock.total_steps}, ckpt_path)
+        run.save({"config": dataclasses.asdict(cfg), "model": model.state_dict(), "optimizer": opt.state_dict(),
+                  "step": step, "train_seconds": train_seconds, "tokens_seen": tokens_seen,
+                  "total_steps": run.clock.total_steps})
 
     def train_step(step: int):
         nonlocal tokens_seen
+        clock = run.clock
         with clock.phase("batch"):
             batch = train.get(step).to(dev, non_blocking=True)
         cur_lr = clock.lr(step, lr, warmup)
         with clock.phase("update"):
             loss, gnorm = optimizer_step(opt, model.parameters(), cur_lr, dev, lambda: net(batch))
-        tokens_seen += batch_size * seq_len * world
+        tokens_seen += batch_size * seq_len * run.world
         return loss, gnorm, cur_lr
 
     def after_step(step: int, train_seconds: float, result) -> None:
         loss, gnorm, cur_lr = result
-        if main and step % log_every == 0:
-            bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{cur_lr:.2e}")
-            log.write(json.dumps({"step": step, "loss": round(loss.item(), 4), "lr": cur_lr,
-                                  "grad_norm": round(float(gnorm), 3), "tokens": tokens_seen,
-                                  "train_seconds": round(train_seconds, 1)}) + "\n")
-        if step % eval_every == 0 or clock.finished(step):
+        if run.main and step % log_every == 0:
+            run.bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{cur_lr:.2e}")
+            run.record({"step": step, "loss": round(loss.item(), 4), "lr": cur_lr, "grad_norm": round(float(gnorm), 3),
+                        "tokens": tokens_seen, "train_seconds": round(train_seconds, 1)})
+        if step % eval_every == 0 or run.clock.finished(step):
             vl = evaluate()
-            if main:
-                log.write(json.dumps({"step": step, "val_loss": round(vl, 4), "tokens": tokens_seen,
-                                      "train_seconds": round(train_seconds, 1)}) + "\n")
-                log.flush()
+            run.record({"step": step, "val_loss": round(vl, 4), "tokens": tokens_seen,
+                        "train_seconds": round(train_seconds, 1)}, flush=True)
 
     model.train()
-    clock = RunClock(total_steps, total_minutes, max_minutes, checkpoint_minutes, dev, distributed)
-    bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not (progress and main))
-    step, train_seconds = run_steps(clock, bar, step, train_seconds, train_step, after_step, save)
+    step, train_seconds = run.steps(total_steps, total_minutes, max_minutes, checkpoint_minutes, step, train_seconds,
+                                    train_step, after_step, save, "train", progress)
     save(step, train_seconds)
-    total_steps = clock.total_steps
-    finished = clock.finished(step)
-    summary = {"step": step, "total_steps": total_steps, "finished": finished, "tokens_seen": tokens_seen,
-               "train_seconds": round(train_seconds, 1), "wall_seconds": round(time.time() - t_start, 1),
-               "first_steps_seconds": clock.first_steps,
-               "first_steps_phases": clock.first_phases}
-    if main:
-        log.write(json.dumps({"event": "end_of_run", **summary}) + "\n")
-        log.close()
+
+    def export() -> None:
         export = out / "export"
         save_model(model, export, dtype=torch.bfloat16)
         (export / "training_state.json").write_text(json.dumps(
             {"config": dataclasses.asdict(cfg), "step": step, "train_seconds": train_seconds,
-             "tokens_seen": tokens_seen, "total_steps": total_steps}) + "\n")
+             "tokens_seen": tokens_seen, "total_steps": run.clock.total_steps}) + "\n")
         for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             if (Path(tokenizer_dir) / f).is_file():
                 shutil.copy(Path(tokenizer_dir) / f, export / f)
-    finish(distributed)
-    return summary
+
+    return run.close(step, train_seconds, export, tokens_seen=tokens_seen)
