@@ -29,15 +29,13 @@ variant at a tiny shape, does the exactness checks and writes no file.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-from specla.bench.common import environment, graph_time_ms
+from specla.bench.common import environment, graph_time_ms, load_variant, write_json
 from specla.bench.kernels import Bench
 from specla.ops.gdn import serial
 from specla.topology import chain
@@ -87,17 +85,6 @@ VARIANTS = {
     "live_loop": (True, [("    for p in tl.static_range(PP):\n", "    for p in range(n_live):\n")], []),
 }
 TILINGS = [{"block_v": 8, "num_warps": 1}, {"block_v": 8, "num_warps": 2}, {"block_v": 16, "num_warps": 4}]
-
-
-def load_variant(src: str, name: str, tmp: Path):
-    """Import `src` as a fresh module (Triton reads a jitted function's source from its file)."""
-    path = tmp / f"_specla_variant_{name}.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _edit(src: str, edits, what: str) -> str:
@@ -222,9 +209,7 @@ def main(argv=None) -> int:
     result["best"] = {"verify_us": result["verify_us"][_tkey(vbest)], "verify_tiling": _tkey(vbest), "rows": best_rows}
     _print_tables(result)
     if cuda:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.out}")
+        write_json(args.out, result)
     return 0
 
 

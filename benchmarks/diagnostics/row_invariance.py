@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from specla import ops
 from specla.fused import fuse
-from specla.bench.common import environment, graph_time_ms
+from specla.bench.common import environment, graph_time_ms, write_json
 from specla.checkpoint import load_model
 from specla.shapes import random_model
 from specla.topology import chain
@@ -218,9 +218,7 @@ def main(argv=None) -> int:
         print(name, json.dumps(result["model_runs"][name]), flush=True)
     fuse(model, False)
     if cuda:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.out}")
+        write_json(args.out, result)
     return 0
 
 

@@ -16,7 +16,6 @@ replayed from one CUDA graph and divided by 24, as `specla bench kernels` times 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import tempfile
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from specla.bench.common import environment, graph_time_ms
+from specla.bench.common import environment, graph_time_ms, load_variant, write_json
 from specla.bench.kernels import Bench
 from specla.bench.trees import beam_tree
 from specla.ops.gdn import parallel
@@ -65,17 +64,6 @@ PARALLEL_EDITS = {
          "    Gc = tl.sum("),
     ],
 }
-
-
-def load_variant(src: str, name: str, tmp: Path):
-    """Import `src` as a fresh module (Triton reads a jitted function's source from its file)."""
-    path = tmp / f"_specla_variant_{name}.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def parallel_variants(tmp: Path) -> dict:
@@ -149,9 +137,7 @@ def main(argv=None) -> int:
             print(json.dumps(row), json.dumps(srow), flush=True)
         sys.path.remove(d)
     if cuda:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.out}")
+        write_json(args.out, result)
     return 0
 
 

@@ -48,6 +48,29 @@ def write_results(name: str, data: dict, out_dir: Path | str = RESULTS) -> Path:
     return path
 
 
+def write_json(path: Path | str, result: dict) -> None:
+    """A diagnostic's result file (its own name and fields; `write_results` adds the environment)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+def load_variant(src: str, name: str, tmp: Path):
+    """Import `src` as a fresh module: an edited copy of a kernel module for an A/B (Triton reads a
+    jitted function's source from its file, so the copy must be a file)."""
+    import importlib.util
+    import sys
+
+    path = tmp / f"_specla_variant_{name}.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def bootstrap(stat, n: int, reps: int = 2000, seed: int = 0) -> tuple[float, float]:
     """95% interval of stat(indices) over `reps` resamples of range(n) with replacement."""
     import random
