@@ -224,7 +224,7 @@ def _linear(x, w, gemv: str):
     dtype (`ops.skinny_linear`, a custom op: one opaque call inside the compiled region): the
     GEMV for an AR step's single row, the skinny GEMM for a verify's few. Inductor generating the GEMV itself, as a
     reduction with the norm fused into its loads, was measured slower than cuBLAS on the H200
-    (AR step 2.08 against 1.64 ms; BENCHMARKS.md). With gemv "invariant", `ops.invariant_linear`:
+    (AR step 2.08 against 1.64 ms; docs/benchmark-log.md). With gemv "invariant", `ops.invariant_linear`:
     a row's result does not depend on how many rows the call has, by construction (cuBLAS's
     measured so at the demo target's shapes, row_invariance_e7ca6a9.json, but promises nothing)."""
     if gemv == "invariant":

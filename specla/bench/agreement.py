@@ -10,7 +10,7 @@ differing token and AR's logit margin there (top-1 − top-2 of AR's own logits 
 against the distribution of AR's margins over all steps.
 
 Drafts. Random weights make real drafters useless (prompt lookup accepted nothing on them,
-BENCHMARKS.md), and acceptance is what exercises verify + commit. So the drafter is an
+docs/benchmark-log.md), and acceptance is what exercises verify + commit. So the drafter is an
 *oracle with noise* (`NoisyOracle`): it knows AR's continuation of the prompt and proposes
 it along the topology's main line (each node's first child), each token replaced by a random
 one with probability `noise`; every other node gets a random token. It only sees the route's

@@ -13,7 +13,7 @@ One more generation per route runs under torch.profiler for kernels and GPU busy
 
 `warm_routes`: routes that each generate once, untimed, before anything is timed, so a route
 can be timed in a process with the history `bench e2e`'s has (every route of a prompt back to
-back in one process). The tree route ran 1.41× slower per round there than alone (BENCHMARKS.md,
+back in one process). The tree route ran 1.41× slower per round there than alone (docs/benchmark-log.md,
 end-to-end section); `--warm-routes ar,fla,chain,ngram --routes tree` against `--routes tree`
 isolates that.
 """
