@@ -15,15 +15,23 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 
 import torch
 
 from specla.api import DEMO_DIR
-from specla.bench.common import environment
+from specla.bench.common import environment, write_json
 from specla.drafters.blocks import load_block_drafter
 from specla.train import block_drafter as bd
 from specla.train.drafter import ResponseBatches, ResponseSet, frozen_target
+
+
+class OtherSequenceStates(bd.BlockLoss):
+    """The validation loss with every block reading the states of the same anchor slot in the
+    previous sequence of the batch (states come flattened [B * A, ...])."""
+
+    def forward(self, hidden, emb, logp, tokens, valid, anchors, live, lm_head_weight, states=None):
+        states = [s.roll(anchors.shape[1], 0) for s in states]
+        return super().forward(hidden, emb, logp, tokens, valid, anchors, live, lm_head_weight, states)
 
 
 def main():
@@ -58,24 +66,18 @@ def main():
                         ("ready", ready), ("ready, reader zeroed", zeroed), ("ready, states of another sequence", ready)):
         model.eval()
         handles = [r.register_forward_hook(hook) for r in model.readers.values()] if name == "ready" else []
-        roll = name.endswith("another sequence")
-        orig = bd.committed_states
-        if roll:  # every block reads the states of the same anchor slot in the previous sequence
-            bd.committed_states = lambda target, inputs, anchors, *rest: [
-                s.roll(anchors.shape[1], 0) for s in orig(target, inputs, anchors, *rest)]  # [B * A, ...]
+        loss = OtherSequenceStates if name.endswith("another sequence") else bd.BlockLoss
         try:
-            rows[name] = bd.evaluate(bd.BlockLoss(model), target, val, n, 16, 0)
+            rows[name] = bd.evaluate(loss(model), target, val, n, 16, 0)
         finally:
-            bd.committed_states = orig
             for h in handles:
                 h.remove()
         print(f"{name:30s} accepted length {rows[name]['val_accept_length']:.4f}  top-1 {rows[name]['val_top1']}")
     ratio = sum(ratios) / len(ratios)
     print(f"reader residual / stream norm at the injection site: {ratio:.4f} (mean over blocks)")
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump({**environment(), "held_out_sequences": n * 32, "rows": rows,
-                       "reader_residual_over_stream": ratio}, f, indent=1)
+        write_json(a.out, {**environment(), "held_out_sequences": n * 32, "rows": rows,
+                           "reader_residual_over_stream": ratio})
 
 
 if __name__ == "__main__":
