@@ -8,7 +8,7 @@ import torch
 from specla.api import DEMO_DIR
 from specla.checkpoint import load_model
 from specla.config import ModelConfig
-from specla.train.loop import lr_at
+from specla.train.loop import RunClock, lr_at, schedule_length
 from specla.train.target import train_target
 
 
@@ -52,6 +52,23 @@ def test_schedule():
     assert lr_at(0, 100, 1.0, 10) == 0.1
     assert abs(lr_at(10, 100, 1.0, 10) - 1.0) < 1e-9
     assert abs(lr_at(100, 100, 1.0, 10) - 0.1) < 1e-9
+
+
+def test_time_schedule_ignores_a_stall_in_its_calibration():
+    """The schedule's length comes from the median pace of the calibration's 10-step windows: a
+    compile stall in one window (the aa91f03 DSpark run's 1.4 s against 0.4) leaves it where
+    steady steps put it. The clock reads its marks after the right steps."""
+    marks = [52.3 + 0.4 * i for i in range(11)]
+    marks[2:] = [m + 1.0 for m in marks[2:]]  # one window took 1.4 s
+    assert schedule_length(marks, 130, marks[-1], 4.0) == 130 + int((240 - marks[-1]) / 0.04)
+    clock = RunClock(None, 4.0, 10.0, 10.0, torch.device("cpu"), False)
+    seconds, fixed_at = 0.0, None
+    for step in range(1, 200):
+        seconds += 1.0 if step == 45 else 0.04  # a stall inside the calibration
+        if clock.step_done(step, seconds):
+            fixed_at = step
+    assert fixed_at == 130 and len(clock._marks) == 11
+    assert abs(clock.total_steps - (130 + (240 - (130 * 0.04 + 0.96)) / 0.04)) <= 1
 
 
 def test_chunked_training_form_matches_recurrence():

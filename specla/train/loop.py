@@ -21,9 +21,13 @@ from specla.train.dist import finish, setup
 
 # Kernel compilation and autotuning go on for the first shapes a run meets: on the H200 a
 # block-drafter run's steps 6-20 still ran ~5x slower than later ones, and calibrating over
-# steps 6-35 fixed a schedule that ended after 149 s of a 270 s budget.
+# steps 6-35 fixed a schedule that ended after 149 s of a 270 s budget. Later the stalls are
+# rarer but still there: DSpark's steps 31-60 (aa91f03) averaged 77 ms against the run's 36 ms
+# (one 10-step window took 1.4 s, the others 0.4-0.5), so the schedule ended after 140 s of
+# 240. The pace is the median of the calibration's 10-step windows: a stall moves it not at all.
 WARM_STEPS = 30
-CALIBRATION_STEPS = 30
+CALIBRATION_STEPS = 100
+WINDOW = 10
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
@@ -37,6 +41,20 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
 FIRST_STEPS = 5
 
 
+def _calibration_mark(n: int) -> bool:
+    """Whether the calibration reads the clock after a run's n-th step."""
+    return WARM_STEPS <= n <= WARM_STEPS + CALIBRATION_STEPS and (n - WARM_STEPS) % WINDOW == 0
+
+
+def schedule_length(marks: list[float], step: int, train_seconds: float, total_minutes: float) -> int:
+    """Steps for a schedule spanning total_minutes of training, from train_seconds at the ends of
+    consecutive WINDOW-step windows (`marks`): the steps done plus the time left at the median
+    window's pace."""
+    windows = sorted(b - a for a, b in zip(marks, marks[1:]))
+    per_step = max(windows[len(windows) // 2], 1e-9) / WINDOW
+    return step + int(max(0.0, total_minutes * 60 - train_seconds) / per_step)
+
+
 class RunClock:
     def __init__(self, total_steps: int | None, total_minutes: float, max_minutes: float,
                  checkpoint_minutes: float, device: torch.device, distributed: bool):
@@ -45,7 +63,7 @@ class RunClock:
         self.device, self.distributed = device, distributed
         self.start = self.last_checkpoint = time.time()
         self.run_steps = 0
-        self.calibration_start = 0.0
+        self._marks: list[float] = []  # train_seconds at every WINDOW-th step of the calibration
         # each of a run's first FIRST_STEPS steps, timed alone, and its parts (`phase`): one-time
         # costs (kernel compiles, autotuning, allocator growth) show there and nowhere else (the
         # log reports them)
@@ -63,7 +81,7 @@ class RunClock:
 
     def timing_step(self) -> bool:
         """Whether the step about to finish is one the calibration times exactly (sync first)."""
-        return self.run_steps + 1 in (WARM_STEPS, WARM_STEPS + CALIBRATION_STEPS)
+        return _calibration_mark(self.run_steps + 1)
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -99,13 +117,11 @@ class RunClock:
         self.run_steps += 1
         if self.total_steps is not None:
             return False
-        if self.run_steps == WARM_STEPS:
-            self.calibration_start = train_seconds
-        elif self.run_steps == WARM_STEPS + CALIBRATION_STEPS:
-            per_step = (train_seconds - self.calibration_start) / CALIBRATION_STEPS
-            left = max(0.0, self.total_minutes * 60 - train_seconds)
-            est = torch.tensor([step + int(left / per_step)], device=self.device)
-            self.total_steps = int(self._from_rank0(est).item())
+        if _calibration_mark(self.run_steps):
+            self._marks.append(train_seconds)
+        if self.run_steps == WARM_STEPS + CALIBRATION_STEPS:
+            self.total_steps = int(self._from_rank0(torch.tensor([schedule_length(
+                self._marks, step, train_seconds, self.total_minutes)], device=self.device)).item())
             return True
         return False
 
