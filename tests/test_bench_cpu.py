@@ -246,6 +246,26 @@ def test_ready_bench_summary_has_paired_intervals(tmp_path):
     assert (tmp_path / "r.png").stat().st_size > 0
 
 
+def test_ready_paired_survival_difference():
+    """The paired survival difference a − b per position pools each row's fully observable
+    blocks over the prompts (as `survival` does), and its interval resamples prompts."""
+    from specla.bench import ready
+
+    P = ready.P
+    full = lambda acc: (P, acc, acc + 1)  # noqa: E731  (drafted, accepted, emitted)
+    cut = (3, 3, 3)  # not fully observable: ignored
+    a = {0: {"rounds": [full(7), full(2), cut], "tokens": [0] * 12, "seconds": 1.0},
+         1: {"rounds": [full(0)], "tokens": [0] * 1, "seconds": 1.0}}
+    b = {0: {"rounds": [full(1), full(1)], "tokens": [0] * 4, "seconds": 1.0},
+         1: {"rounds": [full(3), full(0)], "tokens": [0] * 5, "seconds": 1.0}}
+    c = ready._paired(a, b)
+    sa = ready._summary(a, a)["survival"]
+    sb = ready._summary(b, b)["survival"]
+    assert sa[:3] == [2 / 3, 2 / 3, 1 / 3] and sb[:2] == [3 / 4, 1 / 4]
+    assert all(abs(d - (x - y)) < 1e-12 for d, x, y in zip(c["survival_diff"], sa, sb))
+    assert all(lo <= d <= hi for d, (lo, hi) in zip(c["survival_diff"], c["survival_diff_ci95"]))
+
+
 def test_rounds_timer_counts_nested_calls_once(monkeypatch):
     """`bench rounds` times `round` and `ar_round`; an exact-mode AR step runs as a round inside
     `ar_round`, and must be recorded once, as an AR step."""

@@ -88,9 +88,9 @@ def _summary(recs: dict, ar: dict) -> dict:
     rounds = [r for i in ids for r in recs[i].get("rounds", [])]  # (drafted, accepted, emitted)
     if rounds:
         out["mean_accepted_length"] = sum(r[2] for r in rounds) / len(rounds)
-        full = [r for r in rounds if r[0] == P and r[2] == r[1] + 1]  # every proposal verified, nothing cut
-        out["full_blocks"] = len(full)
-        out["survival"] = [sum(r[1] >= j for r in full) / max(len(full), 1) for j in range(1, P + 1)]
+        full, *alive = _survivors(rounds)  # every proposal verified, nothing cut
+        out["full_blocks"] = full
+        out["survival"] = [n / max(full, 1) for n in alive]
         ftm = [f for i in ids for f in recs[i].get("ftm", []) if f is not None]
         out["first_token_match"] = sum(ftm) / len(ftm) if ftm else None
     else:
@@ -104,8 +104,9 @@ def _summary(recs: dict, ar: dict) -> dict:
 
 
 def _paired(a: dict, b: dict) -> dict:
-    """Row a over row b on the prompts both finished: τ ratio and TPS ratio with 95% bootstrap
-    intervals (prompts resampled together, so both rows see the same draws)."""
+    """Row a over row b on the prompts both finished: τ ratio, TPS ratio and the survival
+    difference a − b at each position, with 95% bootstrap intervals (prompts resampled together,
+    so both rows see the same draws)."""
     ids = sorted(set(a) & set(b))
     if not ids or not all(a[i].get("rounds") and b[i].get("rounds") for i in ids):
         return {"prompts": len(ids)}
@@ -121,9 +122,26 @@ def _paired(a: dict, b: dict) -> dict:
     every = range(len(ids))
     tau = lambda p: ratio(p, 0, 1)  # noqa: E731
     tps = lambda p: ratio(p, 2, 3)  # noqa: E731
-    # the same seed gives both statistics the same resamples of prompts
+
+    # per prompt and row: fully observable blocks, and how many of them survive to position j
+    surv = {name: [_survivors(r[i]["rounds"]) for i in ids] for name, r in (("a", a), ("b", b))}
+
+    def survival_diff(picks, j: int) -> float:
+        q = {n: sum(surv[n][i][j] for i in picks) / max(sum(surv[n][i][0] for i in picks), 1) for n in surv}
+        return q["a"] - q["b"]
+
+    # the same seed gives every statistic the same resamples of prompts
     return {"prompts": len(ids), "tau_ratio": tau(every), "tau_ratio_ci95": bootstrap(tau, len(ids)),
-            "tps_ratio": tps(every), "tps_ratio_ci95": bootstrap(tps, len(ids))}
+            "tps_ratio": tps(every), "tps_ratio_ci95": bootstrap(tps, len(ids)),
+            "survival_diff": [survival_diff(every, j) for j in range(1, P + 1)],
+            "survival_diff_ci95": [bootstrap(lambda p, j=j: survival_diff(p, j), len(ids)) for j in range(1, P + 1)]}
+
+
+def _survivors(rounds) -> list[int]:
+    """[fully observable blocks, those whose first j proposals were all accepted for j = 1..P]
+    (the counts behind `survival`)."""
+    full = [r for r in rounds if r[0] == P and r[2] == r[1] + 1]
+    return [len(full)] + [sum(r[1] >= j for r in full) for j in range(1, P + 1)]
 
 
 def summarise(done: dict, suites, rows) -> dict:
@@ -388,6 +406,8 @@ def _print(result: dict) -> None:
                 print(f"{suite:10s} {pair:22s} tau x{c['tau_ratio']:.3f} [{c['tau_ratio_ci95'][0]:.3f}, "
                       f"{c['tau_ratio_ci95'][1]:.3f}]  tps x{c['tps_ratio']:.3f} [{c['tps_ratio_ci95'][0]:.3f}, "
                       f"{c['tps_ratio_ci95'][1]:.3f}]  ({c['prompts']} prompts)")
+                print(f"{'':33s} survival diff by position: " + "  ".join(
+                    f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]" for d, (lo, hi) in zip(c["survival_diff"], c["survival_diff_ci95"])))
         for row, s in rows.items():
             if row != "paired" and s.get("prompts"):
                 print(f"{suite:10s} {row:12s} tps {s['tps']:8.1f}  x AR {s['speedup']:5.2f}  "
