@@ -158,13 +158,13 @@ def train_target(out_dir, corpus_dir, tokenizer_dir, config: ModelConfig | None 
     save(step, train_seconds)
 
     def export() -> None:
-        export = out / "export"
-        save_model(model, export, dtype=torch.bfloat16)
-        (export / "training_state.json").write_text(json.dumps(
+        d = out / "export"
+        save_model(model, d, dtype=torch.bfloat16)
+        (d / "training_state.json").write_text(json.dumps(
             {"config": dataclasses.asdict(cfg), "step": step, "train_seconds": train_seconds,
              "tokens_seen": tokens_seen, "total_steps": run.clock.total_steps}) + "\n")
         for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             if (Path(tokenizer_dir) / f).is_file():
-                shutil.copy(Path(tokenizer_dir) / f, export / f)
+                shutil.copy(Path(tokenizer_dir) / f, d / f)
 
     return run.close(step, train_seconds, export, tokens_seen=tokens_seen)
