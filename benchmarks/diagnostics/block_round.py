@@ -21,7 +21,7 @@ import torch
 
 import specla.api as api
 from specla.bench.common import environment, warm_set
-from specla.bench.ready import _drafter, _pick
+from specla.bench.ready import row_drafter, spread_prompts
 from specla.data.suites import load_suite
 from specla.decode import Decoder
 
@@ -69,9 +69,9 @@ def main():
     lm = api.load()
     model = lm.model
     eos = lm.tokenizer.eos_token_ids | set(model.cfg.eos_token_id)
-    prompts = [lm.encode_prompt(p.turns[0]) for p in _pick(load_suite(a.suite), a.n_prompts)]
+    prompts = [lm.encode_prompt(p.turns[0]) for p in spread_prompts(load_suite(a.suite), a.n_prompts)]
     warm = warm_set(((len(ids), ids) for ids in prompts), a.max_new_tokens)
-    decs = {row: Decoder(model, _drafter(row, path, model, True, 0.0, False), route="ready",
+    decs = {row: Decoder(model, row_drafter(row, path, model, True, 0.0, False), route="ready",
                          eos_token_ids=eos, graphs=True, delayed=True)
             for row, path in (("dspark", a.dspark), ("ready", a.ready))}
     for dec in decs.values():

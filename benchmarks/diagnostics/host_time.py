@@ -30,7 +30,7 @@ import torch
 import specla.api as api
 import specla.drafters.eagle as eagle
 from specla.bench.common import environment, warm_set
-from specla.bench.e2e import _route_kwargs
+from specla.bench.e2e import route_options
 from specla.data.suites import load_suite
 
 
@@ -74,7 +74,7 @@ def main():
 
     rows = []
     for route in a.routes.split(","):
-        kw = _route_kwargs(route)
+        kw = route_options(route)
         for text in warm:
             lm.generate(text, max_new_tokens=a.max_new_tokens, **kw)
         replays.clear()

@@ -151,14 +151,14 @@ def main():
 
 def profile(lm, prompt, max_new_tokens: int, kw: dict) -> dict:
     """One generation under torch.profiler: kernels and GPU busy time a round, the top kernels."""
-    from specla.bench.decode import _profile_fn
+    from specla.bench.decode import profile_fn
 
     g = {}
 
     def once():
         g["r"] = lm.generate(prompt, max_new_tokens=max_new_tokens, **kw)
 
-    prof = _profile_fn(once, 1, lm.model.device, top=250)
+    prof = profile_fn(once, 1, lm.model.device, top=250)
     n = g["r"].rounds
     return {"rounds": n, "kernels_per_round": prof["kernels_per_step"] / n,
             "gpu_busy_ms_per_round": prof["gpu_us_per_step"] / n / 1e3,

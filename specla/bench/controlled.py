@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from specla.acceptance import Acceptance
 from specla.bench.common import RESULTS, copy_bandwidth, write_results
-from specla.bench.decode import _profile_fn, _target, time_ar_steps, time_rounds
+from specla.bench.decode import profile_fn, _target, time_ar_steps, time_rounds
 from specla.bench.trees import beam_tree
 from specla.decode import _Reader, _sync
 from specla.drafters.base import DraftContext
@@ -264,8 +264,8 @@ def run(shape: str = "gdn-1.3b-paper", device: str = "cuda", dtype: torch.dtype 
         per_length.append({"L": L, **comp})
         if graphs and L == max(lengths):
             rt.rewind()
-            profile = {"draft": _profile_fn(rt.propose, 5, dev),
-                       "round": _profile_fn(lambda rt=rt: rt.verify_round(rt.propose()), 5, dev)}
+            profile = {"draft": profile_fn(rt.propose, 5, dev),
+                       "round": profile_fn(lambda rt=rt: rt.verify_round(rt.propose()), 5, dev)}
         for p in ps:
             rng = random.Random(hash((seed, L, round(p * 100))) & 0xFFFFFFFF)
             accepted = [sample_accepted(p, L, rng) for _ in range(total)]

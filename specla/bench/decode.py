@@ -118,7 +118,7 @@ def _gpu_events(prof) -> list[tuple[str, float]]:
     return out
 
 
-def _profile_fn(fn, steps: int, device, top: int = 40) -> dict:
+def profile_fn(fn, steps: int, device, top: int = 40) -> dict:
     """Profile `steps` calls of fn (CUDA activities): per-step kernel count, GPU time, the `top`
     kernels by time."""
     from torch.profiler import ProfilerActivity, profile
@@ -164,7 +164,7 @@ def _profile_shape(model, prompt, parents, steps: int = 5) -> dict:
             model._fused = fz  # after the target is built: it may fuse the model itself
             ar.prefill(torch.tensor([prompt[:-1]], device=dev))
             root = torch.tensor([prompt[-1]], device=dev)
-            res["ar_step"] = _profile_fn(lambda: ar.step(root), steps, dev)
+            res["ar_step"] = profile_fn(lambda: ar.step(root), steps, dev)
             ar = None  # free its cache before the next target
             model._fused = fused  # as built: a target fuses an unfused model under SPECLA_COMPILE
             tgt = EagerTarget(model, 1, len(prompt) + 4 * (steps + 1) * n + 64)
@@ -179,7 +179,7 @@ def _profile_shape(model, prompt, parents, steps: int = 5) -> dict:
                 length = torch.tensor(acc.length.tolist(), device=dev)  # the loop's host read
                 tgt.commit(o.records, acc.path, length, True)
 
-            res["round16_delayed"] = _profile_fn(round_, steps, dev)
+            res["round16_delayed"] = profile_fn(round_, steps, dev)
             tgt = None
         except Exception as e:  # noqa: BLE001 - a profile is optional; the timings stand
             res["error"] = f"{type(e).__name__}: {str(e)[:300]}"

@@ -40,11 +40,11 @@ SUITES = ("mixed", "gsm8k", "humaneval")
 EXACT = "+exact"
 
 
-def _route_kwargs(route: str, tree_depth: int = 8, tree_budget: int = 16) -> dict:
+def route_options(route: str, tree_depth: int = 8, tree_budget: int = 16) -> dict:
     """generate() options of a route; tree_depth, tree_budget: the trained drafter's tree route's
     (top-4 beams)."""
     if route.endswith(EXACT):
-        return {**_route_kwargs(route[:-len(EXACT)], tree_depth, tree_budget), "exact": True}
+        return {**route_options(route[:-len(EXACT)], tree_depth, tree_budget), "exact": True}
     return {
         "ar": dict(route="ar"),
         "fla": dict(route="fla", chain_length=8),
@@ -210,7 +210,7 @@ def _work(suites, routes, limit, fla_limit, shard):
 def _recorded_options(records: dict, route: str) -> list[dict]:
     """The generate() options a route's records were made with (records from before they were
     recorded count as the default options)."""
-    seen = {json.dumps(r.get("options", _route_kwargs(route)), sort_keys=True)
+    seen = {json.dumps(r.get("options", route_options(route)), sort_keys=True)
             for s in records.values() for r in s.get(route, {}).values()}
     return [json.loads(v) for v in sorted(seen)]
 
@@ -300,7 +300,7 @@ def run(model_dir=None, suites=SUITES, routes=BASE_ROUTES, limit: int | None = N
         tree_budget: int = 16) -> dict:
     """Generate what is not yet recorded (this shard's prompts), then summarise every record.
     summary_only: no generation (e.g. after shards ran on several GPUs or calls). tree_depth,
-    tree_budget: the tree route's (`_route_kwargs`); a run resumes only records made with the
+    tree_budget: the tree route's (`route_options`); a run resumes only records made with the
     same options."""
     from tqdm import tqdm
 
@@ -309,7 +309,7 @@ def run(model_dir=None, suites=SUITES, routes=BASE_ROUTES, limit: int | None = N
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     records = _load_records(out_dir, name)
-    kwargs = {r: _route_kwargs(r, tree_depth, tree_budget) for r in routes}
+    kwargs = {r: route_options(r, tree_depth, tree_budget) for r in routes}
     for r in routes:
         other = [o for o in _recorded_options(records, r) if o != kwargs[r]]
         if other and not summary_only:

@@ -80,9 +80,9 @@ def run(model_dir=None, lengths=LENGTHS, modes=MODES, reps: int = 5, device: str
             rows.append({"mode": mode, "used": target.prefill_mode(T, mode), "tokens": T, "ms": ms,
                          "ms_min": min(times), "us_per_token": 1e3 * ms / T})
             if profile and dev.type == "cuda":  # kernels and GPU time of one prefill (3 profiled)
-                from specla.bench.decode import _profile_fn
+                from specla.bench.decode import profile_fn
 
-                rows[-1]["profile"] = _profile_fn(lambda: (target.reset(), target.prefill(tokens, mode=mode)), 3,
+                rows[-1]["profile"] = profile_fn(lambda: (target.reset(), target.prefill(tokens, mode=mode)), 3,
                                                   dev, top=30)
     result = {"model": str(lm.model_dir), "dtype": str(model.dtype).replace("torch.", ""), "compile": compile,
               "fused": getattr(getattr(model, "_fused", None), "mode", None), "reps": reps,

@@ -52,14 +52,14 @@ DIRS = {"dspark": "dspark", "dspark_ft": "dspark-ft", "ready": "ready"}
 P = 7
 
 
-def _pick(prompts: list, n: int | None) -> list:
+def spread_prompts(prompts: list, n: int | None) -> list:
     """n prompts spread evenly over the suite (the mixed suite is ordered by category)."""
     if n is None or n >= len(prompts):
         return prompts
     return [prompts[int(i * len(prompts) / n)] for i in range(n)]
 
 
-def _drafter(row: str, path, target, graphs: bool, threshold: float, quick: bool):
+def row_drafter(row: str, path, target, graphs: bool, threshold: float, quick: bool):
     from specla.drafters.blocks import load_block_drafter
     from specla.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel
     from specla.drafters.ready import ReadyConfig, ReadyDrafter, ReadyModel
@@ -211,7 +211,7 @@ def decode_section(lm, drafters: dict, suites, n_prompts, max_new_tokens: int, g
     # drafter's buffers and graph are reused, reset in place, across generations
     decoders = {row: Decoder(model, drafters.get(row), route="ar" if row == "ar" else "ready", eos_token_ids=eos,
                              graphs=graphs, delayed=delayed) for row in ["ar", *drafters]}
-    work = {suite: [(p.id, lm.encode_prompt(p.turns[0])) for p in _pick(load_suite(suite), n_prompts)]
+    work = {suite: [(p.id, lm.encode_prompt(p.turns[0])) for p in spread_prompts(load_suite(suite), n_prompts)]
             for suite in suites}
     # every buffer sized and every attention window's graph captured before timing
     warm = warm_set(((len(ids), ids) for items in work.values() for _, ids in items), max_new_tokens)
@@ -361,10 +361,10 @@ def run(target=None, dspark=None, dspark_ft=None, ready=None, variants: dict | N
         path = paths[row] or find_block_drafter(lm.model_dir, DIRS[row])
         if path is None and not quick:
             continue
-        drafters[row] = _drafter(row, path, lm.model, graphs, threshold, quick)
+        drafters[row] = row_drafter(row, path, lm.model, graphs, threshold, quick)
         used[row] = str(path) if path else "random"
     for name, path in (variants or {}).items():
-        drafters[name] = _drafter(name, path, lm.model, graphs, threshold, quick)
+        drafters[name] = row_drafter(name, path, lm.model, graphs, threshold, quick)
         used[name] = str(path)
     result = {"config": {"target": str(lm.model_dir), "dtype": str(lm.model.dtype), "n_prompts": n_prompts,
                          "max_new_tokens": max_new_tokens, "graphs": graphs, "threshold": threshold,

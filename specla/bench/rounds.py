@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from specla.bench.common import RESULTS, warm_set, write_results
-from specla.bench.e2e import _route_kwargs
+from specla.bench.e2e import route_options
 
 PHASES = {"drafter": ("propose", "extend"), "target": ("round", "ar_round")}
 
@@ -84,7 +84,7 @@ def run(model_dir=None, routes=("ar", "chain", "tree", "ngram"), suite: str = "m
         max_new_tokens: int = 128, device: str = "auto", dtype: str = "auto", out_dir=RESULTS,
         profile: bool = True, compile: str | None = None, warm_routes=(), name: str = "rounds") -> dict:
     import specla.api as api
-    from specla.bench.decode import _profile_fn
+    from specla.bench.decode import profile_fn
     from specla.data.suites import load_suite
 
     lm = api.load(model_dir, device=device, dtype=dtype, compile=compile)
@@ -93,10 +93,10 @@ def run(model_dir=None, routes=("ar", "chain", "tree", "ngram"), suite: str = "m
     prompts = [p.turns[0] for p in load_suite(suite, limit=n_prompts)]
     warm = warm_set(((len(lm.encode_prompt(p)), p) for p in prompts), max_new_tokens)
     for route in warm_routes:
-        lm.generate(prompts[0], max_new_tokens=max_new_tokens, **_route_kwargs(route))
+        lm.generate(prompts[0], max_new_tokens=max_new_tokens, **route_options(route))
     rows = []
     for route, pipeline in [(r, p) for r in routes for p in (True, False)]:
-        kw = dict(_route_kwargs(route), pipeline=pipeline)
+        kw = dict(route_options(route), pipeline=pipeline)
         for text in warm:  # build, compile, capture (a graph per drafter attention window)
             lm.generate(text, max_new_tokens=max_new_tokens, **kw)
         timer = _Timer()
@@ -128,7 +128,7 @@ def run(model_dir=None, routes=("ar", "chain", "tree", "ngram"), suite: str = "m
             def once():
                 g["r"] = lm.generate(prompts[0], max_new_tokens=max_new_tokens, **kw)
 
-            prof = _profile_fn(once, 1, lm.model.device, top=40)
+            prof = profile_fn(once, 1, lm.model.device, top=40)
             n = g["r"].rounds
             row["profile"] = {"rounds": n, "kernels_per_round": prof["kernels_per_step"] / n,
                               "gpu_busy_ms_per_round": prof["gpu_us_per_step"] / n / 1e3,
