@@ -34,6 +34,22 @@ class OtherSequenceStates(bd.BlockLoss):
         return super().forward(hidden, emb, logp, tokens, valid, anchors, live, lm_head_weight, states)
 
 
+def reader_zeroed(model):
+    """A copy of a ReaDy model with its readers' output zeroed: exactly its DSpark backbone."""
+    zeroed = copy.deepcopy(model)
+    with torch.no_grad():
+        for r in zeroed.readers.values():
+            r.out.weight.zero_()
+    return zeroed
+
+
+def held_out(data: str, batch_size: int, seq_len: int) -> ResponseBatches:
+    """The block trainer's validation batches (its default val_fraction and seed)."""
+    responses = ResponseSet(data)
+    _, val_idx = responses.split(0.02, 0)
+    return ResponseBatches(responses, val_idx, batch_size, seq_len)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", required=True, help="the drafters' training responses (.npz)")
@@ -44,16 +60,11 @@ def main():
 
     dev = torch.device(a.device)
     target = frozen_target(DEMO_DIR, dev)
-    data = ResponseSet(a.data)
-    _, val_idx = data.split(0.02, 0)  # the trainers' held-out split (val_fraction, seed defaults)
-    val = ResponseBatches(data, val_idx, 32, 768)
+    val = held_out(a.data, 32, 768)
     n = min(a.batches, len(val))
 
     ready = load_block_drafter(DEMO_DIR / "ready", target).float()
-    zeroed = copy.deepcopy(ready)
-    with torch.no_grad():
-        for r in zeroed.readers.values():
-            r.out.weight.zero_()
+    zeroed = reader_zeroed(ready)
     ratios = []
 
     def hook(module, args, out):

@@ -15,7 +15,6 @@ DSpark) and with every block reading another sequence's states.
 from __future__ import annotations
 
 import argparse
-import copy
 import tempfile
 
 import torch
@@ -24,9 +23,9 @@ from specla.api import DEMO_DIR
 from specla.bench.common import environment, write_json
 from specla.drafters.blocks import load_block_drafter
 from specla.train import block_drafter as bd
-from specla.train.drafter import ResponseBatches, ResponseSet, frozen_target
+from specla.train.drafter import frozen_target
 
-from reader_contribution import OtherSequenceStates
+from reader_contribution import OtherSequenceStates, held_out, reader_zeroed
 
 
 def main():
@@ -51,14 +50,8 @@ def main():
             reader_rank=a.reader_rank, device=a.device)
         target = frozen_target(DEMO_DIR, torch.device(a.device))
         trained = load_block_drafter(f"{run}/export", target).float()
-    zeroed = copy.deepcopy(trained)
-    with torch.no_grad():
-        for r in zeroed.readers.values():
-            r.out.weight.zero_()
-
-    data = ResponseSet(a.data)
-    _, val_idx = data.split(0.02, 0)  # the trainer's held-out split
-    val = ResponseBatches(data, val_idx, a.batch_size, a.seq_len)
+    zeroed = reader_zeroed(trained)
+    val = held_out(a.data, a.batch_size, a.seq_len)
     n = min(a.eval_batches, len(val))
     rows = {}
     for name, model, loss in (("reader zeroed (the frozen DSpark)", zeroed, bd.BlockLoss),

@@ -382,14 +382,6 @@ def train_block_drafter(target_dir, out_dir, data, kind: str = "dspark", init_fr
                   "model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
                   "train_seconds": train_seconds, "sequences_seen": seqs_seen, "total_steps": run.clock.total_steps})
 
-    metrics, evaluated_at = {}, None
-
-    def validate(step: int, train_seconds: float) -> None:
-        nonlocal metrics, evaluated_at
-        evaluated_at = step
-        metrics = evaluate(loss_fn, target, val, eval_batches, anchors, seed, chunk)
-        run.record({"step": step, **metrics, "train_seconds": round(train_seconds, 1)}, flush=True)
-
     def train_step(step: int):
         nonlocal seqs_seen
         clock = run.clock
@@ -410,16 +402,15 @@ def train_block_drafter(target_dir, out_dir, data, kind: str = "dspark", init_fr
             run.record({"step": step, "loss": round(loss.item(), 4), "top1": s["top1"],
                         "accept_length": s["accept_length"], "lr": cur_lr, "grad_norm": round(float(gnorm), 3),
                         "sequences": seqs_seen, "train_seconds": round(train_seconds, 1)})
-        if step % eval_every == 0:
-            validate(step, train_seconds)
 
     model.train()
     desc = f"train {kind}" + ("" if scratch else f" stage {stage}")
     step, train_seconds = run.steps(total_steps, total_minutes, max_minutes, checkpoint_minutes, step, train_seconds,
-                                    train_step, after_step, save, desc, progress)
-    if evaluated_at != step:
-        validate(step, train_seconds)
+                                    train_step, after_step, save, desc, progress,
+                                    validate=lambda: evaluate(loss_fn, target, val, eval_batches, anchors, seed, chunk),
+                                    eval_every=eval_every)
     save(step, train_seconds)
+    metrics = run.metrics
 
     def export() -> None:
         out = save_block_drafter(model, run.out / "export", dtype=torch.bfloat16)

@@ -483,13 +483,6 @@ def train_drafter(target_dir, out_dir, data, total_steps: int | None = None, tot
                   "total_steps": run.clock.total_steps})
 
     drafter.train()
-    metrics, evaluated_at = {}, None
-
-    def validate(step: int, train_seconds: float) -> None:
-        nonlocal metrics, evaluated_at
-        evaluated_at = step
-        metrics = evaluate(drafter, target, val, eval_batches, unroll, step_decay)
-        run.record({"step": step, **metrics, "train_seconds": round(train_seconds, 1)}, flush=True)
 
     def train_step(step: int):
         nonlocal seqs_seen
@@ -512,14 +505,13 @@ def train_drafter(target_dir, out_dir, data, total_steps: int | None = None, tot
             run.record({"step": step, "loss": round(loss.item(), 4), "top1": [round(x, 4) for x in top1.tolist()],
                         "lr": cur_lr, "grad_norm": round(float(gnorm), 3), "sequences": seqs_seen,
                         "train_seconds": round(train_seconds, 1)})
-        if step % eval_every == 0:
-            validate(step, train_seconds)
 
     step, train_seconds = run.steps(total_steps, total_minutes, max_minutes, checkpoint_minutes, step, train_seconds,
-                                    train_step, after_step, save, "train drafter", progress)
-    if evaluated_at != step:  # every run ends with a validation
-        validate(step, train_seconds)
+                                    train_step, after_step, save, "train drafter", progress,
+                                    validate=lambda: evaluate(drafter, target, val, eval_batches, unroll, step_decay),
+                                    eval_every=eval_every)
     save(step, train_seconds)
+    metrics = run.metrics
 
     def export() -> None:
         out = save_drafter(drafter, run.out / "export", dtype=torch.bfloat16)

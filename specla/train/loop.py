@@ -208,6 +208,7 @@ class TrainingRun:
         self.ckpt_path = self.out / "ckpt.pt"
         self._log = None
         self.clock: RunClock | None = None
+        self.metrics: dict = {}  # the latest validation's (`steps`)
 
     def load(self) -> dict | None:
         """This run's checkpoint, or None when it starts afresh."""
@@ -234,14 +235,32 @@ class TrainingRun:
             save_checkpoint(state, self.ckpt_path)
 
     def steps(self, total_steps: int | None, total_minutes: float, max_minutes: float, checkpoint_minutes: float,
-              step: int, train_seconds: float, train_step, after_step, save, desc: str,
-              progress: bool) -> tuple[int, float]:
-        """`run_steps` under a new clock (`self.clock`) and progress bar."""
+              step: int, train_seconds: float, train_step, after_step, save, desc: str, progress: bool,
+              validate=None, eval_every: int = 0) -> tuple[int, float]:
+        """`run_steps` under a new clock (`self.clock`) and progress bar. validate() (optional)
+        returns held-out metrics: taken after every eval_every-th step and at the end of the run,
+        logged, the latest kept in `self.metrics`."""
         from tqdm import tqdm
 
         self.clock = RunClock(total_steps, total_minutes, max_minutes, checkpoint_minutes, self.dev, self.distributed)
         self.bar = tqdm(total=total_steps, initial=step, desc=desc, unit="step", disable=not (progress and self.main))
-        return run_steps(self.clock, self.bar, step, train_seconds, train_step, after_step, save)
+        validated_at = None
+
+        def validated(step: int, train_seconds: float) -> None:
+            nonlocal validated_at
+            validated_at = step
+            self.metrics = validate()
+            self.record({"step": step, **self.metrics, "train_seconds": round(train_seconds, 1)}, flush=True)
+
+        def after(step: int, train_seconds: float, result) -> None:
+            after_step(step, train_seconds, result)
+            if validate is not None and step % eval_every == 0:
+                validated(step, train_seconds)
+
+        step, train_seconds = run_steps(self.clock, self.bar, step, train_seconds, train_step, after, save)
+        if validate is not None and validated_at != step:  # every run ends with a validation
+            validated(step, train_seconds)
+        return step, train_seconds
 
     def close(self, step: int, train_seconds: float, export, **summary) -> dict:
         """Log the end of the run, export (rank 0: `export()`), leave the process group; the summary."""
