@@ -75,10 +75,12 @@ drafter() {  # drafter MINUTES [ARGS...]: train the EAGLE drafter of the demo ta
   pack drafter /tmp/drafter-run
 }
 
-block() {  # block NAME MINUTES ARGS...: one block-drafter training run, log in the stage
+block() {  # block NAME MINUTES ARGS...: one block-drafter training run, log in the stage;
+  # $BLOCK_ARGS goes to every run (a CPU rehearsal of a plan: "--batch-size 4 --seq-len 256 --device cpu")
   local name=$1 mins=$2; shift 2
+  # shellcheck disable=SC2086
   timeout $(( ${mins%.*} * 60 + 120 )) $SPECLA train drafter --target specla/models/demo --data /tmp/responses.npz \
-    --out "$BD/$name" --max-minutes "$mins" --total-minutes "$mins" "$@" > "$STAGE/$name.log" 2>&1
+    --out "$BD/$name" --max-minutes "$mins" --total-minutes "$mins" "$@" ${BLOCK_ARGS:-} > "$STAGE/$name.log" 2>&1
   tail -n 1 "$STAGE/$name.log"
 }
 
