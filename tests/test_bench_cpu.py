@@ -243,6 +243,7 @@ def test_ready_bench_summary_has_paired_intervals(tmp_path):
         assert lo <= suite[row]["tps"] <= hi
     c = suite["paired"]["ready/dspark"]
     assert c["prompts"] == 1 and c["tau_ratio_ci95"][0] <= c["tau_ratio"] <= c["tau_ratio_ci95"][1]
+    assert res["pooled"]["ready/dspark"]["tau_ratio"] == c["tau_ratio"]  # one suite: pooled = the suite
     assert (tmp_path / "r.png").stat().st_size > 0
 
 
@@ -264,6 +265,13 @@ def test_ready_paired_survival_difference():
     assert sa[:3] == [2 / 3, 2 / 3, 1 / 3] and sb[:2] == [3 / 4, 1 / 4]
     assert all(abs(d - (x - y)) < 1e-12 for d, x, y in zip(c["survival_diff"], sa, sb))
     assert all(lo <= d <= hi for d, (lo, hi) in zip(c["survival_diff"], c["survival_diff_ci95"]))
+
+    # pooled over suites: the same prompts split across two suites give the same comparison,
+    # and equal prompt ids in different suites stay different prompts
+    done = {"s1": {"ready": {0: a[0]}, "dspark": {0: b[0]}}, "s2": {"ready": {0: a[1]}, "dspark": {0: b[1]}}}
+    pooled = ready.pooled(done, ["s1", "s2"], ["dspark", "ready"])["ready/dspark"]
+    assert pooled["prompts"] == 2 and pooled["survival_diff"] == c["survival_diff"]
+    assert pooled["tau_ratio"] == c["tau_ratio"]
 
 
 def test_rounds_timer_counts_nested_calls_once(monkeypatch):

@@ -27,7 +27,8 @@ with and without a pending update (ReaDy Fig. 3-4), after checking on the device
 kernel's reads, norms and written-back states equal the torch reference (`rel_err_*`).
 
 JSON (`write_results("ready", ...)`): device, versions, commit, date, config, suites.{suite}.{row}
-with prompts / tps / speedup / mean_accepted_length / survival / ..., operator, drafters (which
+with prompts / tps / speedup / mean_accepted_length / survival / ..., suites.{suite}.paired and
+`pooled` (the same paired comparisons over all suites' prompts together), operator, drafters (which
 directories, or "random" in quick mode), bench_seconds. A JSONL log of finished generations
 next to the results lets a run cut short resume.
 """
@@ -144,10 +145,16 @@ def _survivors(rounds) -> list[int]:
     return [len(full)] + [sum(r[1] >= j for r in full) for j in range(1, P + 1)]
 
 
+def _pairs(recs: dict, rows) -> dict:
+    """The paired comparisons ReaDy's claims are about (ready / dspark, ready / dspark_ft,
+    dspark_ft / dspark, and each other row / dspark), among the rows `recs` holds."""
+    pairs = [("ready", "dspark"), ("ready", "dspark_ft"), ("dspark_ft", "dspark")]
+    pairs += [(r, "dspark") for r in rows if r not in ROWS]
+    return {f"{x}/{y}": _paired(recs.get(x, {}), recs.get(y, {})) for x, y in pairs if x in recs and y in recs}
+
+
 def summarise(done: dict, suites, rows) -> dict:
-    """Per suite: every row's summary against AR, and the paired comparisons ReaDy's claims
-    are about (ready / dspark, ready / dspark_ft, dspark_ft / dspark, and each other row /
-    dspark)."""
+    """Per suite: every row's summary against AR, and the paired comparisons (`_pairs`)."""
     out = {}
     for suite in suites:
         recs = done.get(suite, {})
@@ -155,11 +162,18 @@ def summarise(done: dict, suites, rows) -> dict:
         out[suite] = {"ar": {**_summary(ar, ar), "mean_accepted_length": 1.0}}
         for row in rows:
             out[suite][row] = _summary(recs.get(row, {}), ar)
-        pairs = [("ready", "dspark"), ("ready", "dspark_ft"), ("dspark_ft", "dspark")]
-        pairs += [(r, "dspark") for r in rows if r not in ROWS]
-        out[suite]["paired"] = {f"{x}/{y}": _paired(recs.get(x, {}), recs.get(y, {})) for x, y in pairs
-                                if x in recs and y in recs}
+        out[suite]["paired"] = _pairs(recs, rows)
     return out
+
+
+def pooled(done: dict, suites, rows) -> dict:
+    """The paired comparisons over every prompt of the suites together (prompts resampled
+    across suites): one survival curve difference for the whole evaluation beside each suite's."""
+    recs: dict = {}
+    for suite in suites:
+        for row, by_id in done.get(suite, {}).items():
+            recs.setdefault(row, {}).update({(suite, i): r for i, r in by_id.items()})
+    return _pairs(recs, rows)
 
 
 def read_log(log_path: Path) -> dict:
@@ -180,6 +194,7 @@ def resummarise(out_dir, name: str = "ready") -> dict:
     done = read_log(out / f"{name}_log.jsonl")
     rows = [r for r in next(iter(result["suites"].values())) if r not in ("ar", "paired")]
     result["suites"] = summarise(done, list(result["suites"]), rows)
+    result["pooled"] = pooled(done, list(result["suites"]), rows)
     result["resummarised"] = True
     (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     _plot(result, out / f"{name}.png")
@@ -236,7 +251,8 @@ def decode_section(lm, drafters: dict, suites, n_prompts, max_new_tokens: int, g
                 log.write(json.dumps(rec) + "\n")
                 log.flush()
     log.close()
-    return {"suites": summarise(done, suites, list(drafters)), "complete": complete}
+    return {"suites": summarise(done, suites, list(drafters)), "pooled": pooled(done, suites, list(drafters)),
+            "complete": complete}
 
 
 # operator latency ------------------------------------------------------------------------------
@@ -399,19 +415,24 @@ def run(target=None, dspark=None, dspark_ft=None, ready=None, variants: dict | N
     return result
 
 
+def _print_paired(label: str, paired: dict) -> None:
+    for pair, c in paired.items():
+        if "tau_ratio" in c:
+            print(f"{label:10s} {pair:22s} tau x{c['tau_ratio']:.3f} [{c['tau_ratio_ci95'][0]:.3f}, "
+                  f"{c['tau_ratio_ci95'][1]:.3f}]  tps x{c['tps_ratio']:.3f} [{c['tps_ratio_ci95'][0]:.3f}, "
+                  f"{c['tps_ratio_ci95'][1]:.3f}]  ({c['prompts']} prompts)")
+            print(f"{'':33s} survival diff by position: " + "  ".join(
+                f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]" for d, (lo, hi) in zip(c["survival_diff"], c["survival_diff_ci95"])))
+
+
 def _print(result: dict) -> None:
     for suite, rows in result.get("suites", {}).items():
-        for pair, c in rows.get("paired", {}).items():
-            if "tau_ratio" in c:
-                print(f"{suite:10s} {pair:22s} tau x{c['tau_ratio']:.3f} [{c['tau_ratio_ci95'][0]:.3f}, "
-                      f"{c['tau_ratio_ci95'][1]:.3f}]  tps x{c['tps_ratio']:.3f} [{c['tps_ratio_ci95'][0]:.3f}, "
-                      f"{c['tps_ratio_ci95'][1]:.3f}]  ({c['prompts']} prompts)")
-                print(f"{'':33s} survival diff by position: " + "  ".join(
-                    f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]" for d, (lo, hi) in zip(c["survival_diff"], c["survival_diff_ci95"])))
+        _print_paired(suite, rows.get("paired", {}))
         for row, s in rows.items():
             if row != "paired" and s.get("prompts"):
                 print(f"{suite:10s} {row:12s} tps {s['tps']:8.1f}  x AR {s['speedup']:5.2f}  "
                       f"tau {s['mean_accepted_length']:5.2f}  exact {s['exact_match_rate']:.2f}")
+    _print_paired("all suites", result.get("pooled", {}))
     for r in result.get("operator", []):
         print(f"operator {r['shape']:16s} unfused {r['unfused_us']:9.1f} us  fused {r['fused_us']:9.1f} us  "
               f"({-100 * r['reduction']:+.1f}%)  rel err reads {r['rel_err_reads']:.1e} state {r['rel_err_state']:.1e}")
