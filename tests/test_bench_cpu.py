@@ -474,7 +474,10 @@ def test_bench_kernels_runs_every_section_on_cpu(tmp_path):
     res = kernels.run(str(tmp_path), device="cpu", quick=True)
     for key in ("table1", "cost_fit", "commit", "fused", "chain", "correctness"):
         assert "error" not in res[key] if isinstance(res[key], dict) else res[key], key
-    assert {"topk", "depth", "nodes", "r2l_ms", "serial_ms", "parallel_ms", "hybrid_ms"} <= set(res["table1"][0])
+    assert {"topk", "depth", "nodes", "r2l_ms", "serial_ms", "parallel_ms", "hybrid_ms", "paths_ms"} <= set(res["table1"][0])
+    # every verifier the bench times also equals the reference at the bench's shape
+    assert {"verify_serial", "verify_hybrid", "verify_parallel", "verify_paths_bv16_w4"} <= set(res["correctness"])
+    assert all(e["rel"] < 1e-5 for e in res["correctness"]["verify_paths_bv16_w4"].values())
     assert {"length", "replay_ms", "factor_ms"} <= set(res["commit"][0])
     assert {"accepted", "separate_ms", "fused_ms", "verify_only_ms"} <= set(res["fused"][0])
     assert {"T", "ms", "floor_ms"} <= set(res["chain"][0])

@@ -48,6 +48,11 @@ PAPER_TABLE1 = {
     (4, 12, 16): (19.0, 1.19, 0.52, 1.80), (4, 24, 32): (41.0, 1.30, 0.95, 2.19),
 }
 TILINGS = [(8, 1), (8, 2), (8, 4), (16, 2), (16, 4), (32, 4), (32, 8)]  # (block_v, num_warps) of serial/hybrid
+# (block_v, num_warps) of the path-parallel verifier: wider tiles put fewer programs on the GPU
+# at the paper's shape (128 tiles a row at BV 16, where the dispatch keeps the parallel verifier);
+# its PATHS mode keeps a second copy of the root tile, so BV 32 needs 8 warps to stay unspilled
+# and BV 64 spills at any width (`ops.aot_check`, sm_90)
+PATHS_TILINGS = [(16, 4), (16, 8), (32, 8)]
 
 
 def tilings(quick: bool) -> list[dict]:
@@ -143,7 +148,7 @@ def pick_tiling(rows: list[dict]) -> dict:
 
 
 def table1(bench: Bench, tiling: dict) -> list[dict]:
-    from specla.ops.gdn import hybrid, parallel, schedule, serial
+    from specla.ops.gdn import hybrid, parallel, paths, schedule, serial
     from specla.topology import chain, root_to_leaf_paths
 
     scale = bench.K ** -0.5
@@ -158,10 +163,10 @@ def table1(bench: Bench, tiling: dict) -> list[dict]:
             stats.append(tree_stats(p))
             par = torch.tensor([p], device=bench.device)
             ins = bench.layer_inputs(len(p), 100 + seed)
-            paths = root_to_leaf_paths(torch.tensor(p))
+            leaf_paths = root_to_leaf_paths(torch.tensor(p))
             # R2L: the serial verifier once per root-to-leaf path, on pre-gathered path inputs
-            r2l_in = [[tuple(t[:, path] for t in x[:5]) + (x[5],) for path in paths] for x in ins]
-            r2l_par = {len(path): chain(len(path), device=bench.device) for path in paths}
+            r2l_in = [[tuple(t[:, path] for t in x[:5]) + (x[5],) for path in leaf_paths] for x in ins]
+            r2l_par = {len(path): chain(len(path), device=bench.device) for path in leaf_paths}
             per["r2l"].append(bench.time_ms(lambda: [serial.gdn_tree_verify(*pi, r2l_par[pi[0].shape[1]], scale,
                                                                             chain=True, **tiling)
                                                      for li in r2l_in for pi in li]))
@@ -173,12 +178,17 @@ def table1(bench: Bench, tiling: dict) -> list[dict]:
                         lambda: [parallel.gdn_tree_verify(*x, par, scale, block_v=bv, block_k=bk, num_warps=warps)
                                  for x in ins]))
             per["hybrid"].append(bench.time_ms(lambda: [hybrid.gdn_tree_verify(*x, par, scale, **tiling) for x in ins]))
+            for bv, nw in PATHS_TILINGS if not bench.quick else [(16, 4)]:
+                per.setdefault(f"paths_bv{bv}_w{nw}", []).append(bench.time_ms(
+                    lambda: [paths.gdn_tree_verify(*x, par, scale, block_v=bv, num_warps=nw) for x in ins]))
             # what dispatch runs inside a graph: the hybrid launch, rows the cost model sends to
             # serial running as one serial pass
             per["hybrid_auto"].append(bench.time_ms(lambda: [hybrid.gdn_tree_verify(*x, par, scale, schedule="auto",
                                                                                     **tiling) for x in ins]))
             schedules.append("serial" if bool(schedule.prefer_serial(par.cpu()).all()) else "hld")
         ms = {k: statistics.mean(v) for k, v in per.items()}
+        paths_sweep = {k[len("paths_"):]: v for k, v in ms.items() if k.startswith("paths_")}
+        paths_tiling = min(paths_sweep, key=paths_sweep.get)
         paper = PAPER_TABLE1.get((topk, depth, nodes))
         rows.append({
             "topk": topk, "depth": depth, "nodes": nodes, "trees": len(seeds),
@@ -189,6 +199,11 @@ def table1(bench: Bench, tiling: dict) -> list[dict]:
             "hybrid_auto_ms": ms["hybrid_auto"], "hybrid_auto_x": ms["r2l"] / ms["hybrid_auto"],
             "hybrid_auto_over_serial_x": ms["serial"] / ms["hybrid_auto"], "hybrid_schedule": schedules,
             "parallel_sweep_ms": {k[len("parallel_"):]: v for k, v in ms.items() if k.startswith("parallel_")},
+            # the path-parallel verifier (a program per root-to-leaf path and V-tile, AR's bits),
+            # at its fastest tiling: the dispatch's route for the demo's trees, timed here at the
+            # paper's shape, where the dispatch does not send trees to it
+            "paths_ms": paths_sweep[paths_tiling], "paths_tiling": paths_tiling,
+            "paths_x": ms["r2l"] / paths_sweep[paths_tiling], "paths_sweep_ms": paths_sweep,
             # what dispatch runs for a branching topology outside exact mode
             "dispatch_ms": ms["parallel"],
             "paper_hybrid_x": paper[3] if paper else None,
@@ -363,7 +378,7 @@ def correctness(bench: Bench) -> dict:
     """Every kernel against its torch reference (fp32) at the benchmark shape, one layer."""
     from specla.ops.conv import naive as conv_ref
     from specla.ops.conv import triton as conv_triton
-    from specla.ops.gdn import commit, hybrid, naive, parallel, serial
+    from specla.ops.gdn import commit, hybrid, naive, parallel, paths, serial
     from specla.topology import root_to_leaf_paths
 
     dev = bench.device
@@ -379,7 +394,9 @@ def correctness(bench: Bench) -> dict:
     ro, ru = naive.gdn_tree_verify(q, k, v, g, beta, S_ref, par, scale, pend)
     for name, fn in (("serial", serial.gdn_tree_verify), ("hybrid", hybrid.gdn_tree_verify),
                      ("hybrid_auto", lambda *a: hybrid.gdn_tree_verify(*a, schedule="auto")),
-                     ("parallel", parallel.gdn_tree_verify)):
+                     ("parallel", parallel.gdn_tree_verify),
+                     *((f"paths_bv{bv}_w{nw}", lambda *a, bv=bv, nw=nw: paths.gdn_tree_verify(*a, block_v=bv, num_warps=nw))
+                       for bv, nw in (PATHS_TILINGS if not bench.quick else [(16, 4)]))):
         S_out = S.clone()
         o, u = fn(q, k, v, g, beta, S_out, par, scale, pend)
         out[f"verify_{name}"] = {"o": _err(o, ro), "u": _err(u, ru), "state": _err(S_out, S_ref)}
@@ -517,7 +534,8 @@ def _print(result: dict) -> None:
     table("tiling sweep (serial/hybrid)", result.get("tiling"), ["block_v", "num_warps", "hybrid_4_4_32_ms", "chain_T16_layer_ms"])
     table("Table 1: tree verification, 24 layers (x = speedup over R2L)", result.get("table1"),
           ["topk", "depth", "nodes", "leaves", "r2l_ms", "serial_ms", "parallel_ms", "hybrid_ms", "hybrid_auto_ms",
-           "hybrid_schedule", "serial_x", "parallel_x", "hybrid_x", "paper_hybrid_x"])
+           "paths_ms", "paths_tiling", "hybrid_schedule", "serial_x", "parallel_x", "hybrid_x", "paths_x",
+           "paper_hybrid_x"])
     table("accepted-state recovery, 24 layers", result.get("commit"),
           ["length", "replay_ms", "factor_ms", "gdn_commit_ms", "speedup_x"])
     table("delayed update, verify 4-draft chain, per layer", result.get("fused"),
@@ -540,8 +558,9 @@ def _plot(result: dict, path: Path) -> None:
         t1 = result["table1"]
         labels = [f"k{r['topk']} d{r['depth']} n{r['nodes']}" for r in t1]
         xs = range(len(t1))
-        for i, (key, name) in enumerate((("serial_x", "serial"), ("parallel_x", "parallel"), ("hybrid_x", "hybrid"))):
-            ax[0, 0].bar([x + (i - 1) * 0.27 for x in xs], [r[key] for r in t1], 0.27, label=name)
+        bars = (("serial_x", "serial"), ("parallel_x", "parallel"), ("hybrid_x", "hybrid"), ("paths_x", "paths"))
+        for i, (key, name) in enumerate(bars):
+            ax[0, 0].bar([x + (i - 1.5) * 0.2 for x in xs], [r.get(key, 0) for r in t1], 0.2, label=name)
         ax[0, 0].scatter(list(xs), [r["paper_hybrid_x"] or 0 for r in t1], marker="_", s=400, c="k",
                          label="paper hybrid")
         ax[0, 0].set_xticks(list(xs), labels, rotation=20)
