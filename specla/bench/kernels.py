@@ -55,9 +55,14 @@ TILINGS = [(8, 1), (8, 2), (8, 4), (16, 2), (16, 4), (32, 4), (32, 8)]  # (block
 PATHS_TILINGS = [(16, 4), (16, 8), (32, 8)]
 
 
-def tilings(quick: bool) -> list[dict]:
-    """The (block_v, num_warps) configurations every sweep times."""
-    return [{"block_v": bv, "num_warps": nw} for bv, nw in (TILINGS if not quick else [(16, 4)])]
+def tilings(quick: bool, table=TILINGS) -> list[dict]:
+    """The (block_v, num_warps) configurations a sweep times (of `table`; one when quick)."""
+    return [{"block_v": bv, "num_warps": nw} for bv, nw in (table if not quick else [(16, 4)])]
+
+
+def _sweep(ms: dict, prefix: str) -> dict:
+    """The timings of one route's tilings, keyed by what follows `prefix`."""
+    return {k[len(prefix):]: v for k, v in ms.items() if k.startswith(prefix)}
 
 
 @dataclass
@@ -178,16 +183,16 @@ def table1(bench: Bench, tiling: dict) -> list[dict]:
                         lambda: [parallel.gdn_tree_verify(*x, par, scale, block_v=bv, block_k=bk, num_warps=warps)
                                  for x in ins]))
             per["hybrid"].append(bench.time_ms(lambda: [hybrid.gdn_tree_verify(*x, par, scale, **tiling) for x in ins]))
-            for bv, nw in PATHS_TILINGS if not bench.quick else [(16, 4)]:
-                per.setdefault(f"paths_bv{bv}_w{nw}", []).append(bench.time_ms(
-                    lambda: [paths.gdn_tree_verify(*x, par, scale, block_v=bv, num_warps=nw) for x in ins]))
+            for t in tilings(bench.quick, PATHS_TILINGS):
+                per.setdefault(f"paths_bv{t['block_v']}_w{t['num_warps']}", []).append(bench.time_ms(
+                    lambda: [paths.gdn_tree_verify(*x, par, scale, **t) for x in ins]))
             # what dispatch runs inside a graph: the hybrid launch, rows the cost model sends to
             # serial running as one serial pass
             per["hybrid_auto"].append(bench.time_ms(lambda: [hybrid.gdn_tree_verify(*x, par, scale, schedule="auto",
                                                                                     **tiling) for x in ins]))
             schedules.append("serial" if bool(schedule.prefer_serial(par.cpu()).all()) else "hld")
         ms = {k: statistics.mean(v) for k, v in per.items()}
-        paths_sweep = {k[len("paths_"):]: v for k, v in ms.items() if k.startswith("paths_")}
+        paths_sweep = _sweep(ms, "paths_")
         paths_tiling = min(paths_sweep, key=paths_sweep.get)
         paper = PAPER_TABLE1.get((topk, depth, nodes))
         rows.append({
@@ -198,7 +203,7 @@ def table1(bench: Bench, tiling: dict) -> list[dict]:
             "hybrid_x": ms["r2l"] / ms["hybrid"], "hybrid_over_serial_x": ms["serial"] / ms["hybrid"],
             "hybrid_auto_ms": ms["hybrid_auto"], "hybrid_auto_x": ms["r2l"] / ms["hybrid_auto"],
             "hybrid_auto_over_serial_x": ms["serial"] / ms["hybrid_auto"], "hybrid_schedule": schedules,
-            "parallel_sweep_ms": {k[len("parallel_"):]: v for k, v in ms.items() if k.startswith("parallel_")},
+            "parallel_sweep_ms": _sweep(ms, "parallel_"),
             # the path-parallel verifier (a program per root-to-leaf path and V-tile, AR's bits),
             # at its fastest tiling: the dispatch's route for the demo's trees, timed here at the
             # paper's shape, where the dispatch does not send trees to it
@@ -395,8 +400,8 @@ def correctness(bench: Bench) -> dict:
     for name, fn in (("serial", serial.gdn_tree_verify), ("hybrid", hybrid.gdn_tree_verify),
                      ("hybrid_auto", lambda *a: hybrid.gdn_tree_verify(*a, schedule="auto")),
                      ("parallel", parallel.gdn_tree_verify),
-                     *((f"paths_bv{bv}_w{nw}", lambda *a, bv=bv, nw=nw: paths.gdn_tree_verify(*a, block_v=bv, num_warps=nw))
-                       for bv, nw in (PATHS_TILINGS if not bench.quick else [(16, 4)]))):
+                     *((f"paths_bv{t['block_v']}_w{t['num_warps']}", lambda *a, t=t: paths.gdn_tree_verify(*a, **t))
+                       for t in tilings(bench.quick, PATHS_TILINGS))):
         S_out = S.clone()
         o, u = fn(q, k, v, g, beta, S_out, par, scale, pend)
         out[f"verify_{name}"] = {"o": _err(o, ro), "u": _err(u, ru), "state": _err(S_out, S_ref)}
