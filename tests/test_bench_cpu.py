@@ -272,6 +272,11 @@ def test_ready_paired_survival_difference():
     pooled = ready.pooled(done, ["s1", "s2"], ["dspark", "ready"])["ready/dspark"]
     assert pooled["prompts"] == 2 and pooled["survival_diff"] == c["survival_diff"]
     assert pooled["tau_ratio"] == c["tau_ratio"]
+    # and each row's whole-evaluation curve is the difference's two terms
+    done["s1"]["ar"], done["s2"]["ar"] = {0: a[0]}, {0: a[1]}
+    rows = ready.all_suites(done, ["s1", "s2"], ["dspark", "ready"])
+    assert rows["ready"]["survival"] == sa and rows["dspark"]["survival"] == sb
+    assert rows["ready"]["prompts"] == 2 and rows["ready"]["speedup"] == 1.0
 
 
 def test_rounds_timer_counts_nested_calls_once(monkeypatch):

@@ -28,7 +28,8 @@ kernel's reads, norms and written-back states equal the torch reference (`rel_er
 
 JSON (`write_results("ready", ...)`): device, versions, commit, date, config, suites.{suite}.{row}
 with prompts / tps / speedup / mean_accepted_length / survival / ..., suites.{suite}.paired and
-`pooled` (the same paired comparisons over all suites' prompts together), operator, drafters (which
+`pooled` (the same paired comparisons over all suites' prompts together), `all_suites` (each
+row's summary over them: the whole evaluation's survival curves, also the PNG's last panel), operator, drafters (which
 directories, or "random" in quick mode), bench_seconds. A JSONL log of finished generations
 next to the results lets a run cut short resume.
 """
@@ -166,14 +167,25 @@ def summarise(done: dict, suites, rows) -> dict:
     return out
 
 
-def pooled(done: dict, suites, rows) -> dict:
-    """The paired comparisons over every prompt of the suites together (prompts resampled
-    across suites): one survival curve difference for the whole evaluation beside each suite's."""
+def _merged(done: dict, suites) -> dict:
+    """row -> (suite, prompt id) -> record: every suite's prompts as one evaluation."""
     recs: dict = {}
     for suite in suites:
         for row, by_id in done.get(suite, {}).items():
             recs.setdefault(row, {}).update({(suite, i): r for i, r in by_id.items()})
-    return _pairs(recs, rows)
+    return recs
+
+
+def pooled(done: dict, suites, rows) -> dict:
+    """The paired comparisons over every prompt of the suites together (prompts resampled
+    across suites): one survival curve difference for the whole evaluation beside each suite's."""
+    return _pairs(_merged(done, suites), rows)
+
+
+def all_suites(done: dict, suites, rows) -> dict:
+    """Every row's summary over all suites' prompts together: the survival curve of the whole
+    evaluation, each row's tokens and seconds summed over the suites (AR's on the same prompts)."""
+    return summarise({"all": _merged(done, suites)}, ["all"], rows)["all"]
 
 
 def read_log(log_path: Path) -> dict:
@@ -195,6 +207,7 @@ def resummarise(out_dir, name: str = "ready") -> dict:
     rows = [r for r in next(iter(result["suites"].values())) if r not in ("ar", "paired")]
     result["suites"] = summarise(done, list(result["suites"]), rows)
     result["pooled"] = pooled(done, list(result["suites"]), rows)
+    result["all_suites"] = all_suites(done, list(result["suites"]), rows)
     result["resummarised"] = True
     (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     _plot(result, out / f"{name}.png")
@@ -252,6 +265,7 @@ def decode_section(lm, drafters: dict, suites, n_prompts, max_new_tokens: int, g
                 log.flush()
     log.close()
     return {"suites": summarise(done, suites, list(drafters)), "pooled": pooled(done, suites, list(drafters)),
+            "all_suites": all_suites(done, suites, list(drafters)),
             "complete": complete}
 
 
@@ -331,10 +345,13 @@ def _plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    suites = [s for s in result.get("suites", {})]
+    panels = dict(result.get("suites", {}))
+    if len(panels) > 1 and result.get("all_suites"):
+        panels["all suites"] = result["all_suites"]
+    suites = list(panels)
     fig, axes = plt.subplots(1, max(len(suites), 1), figsize=(4.2 * max(len(suites), 1), 3.4), squeeze=False)
     for ax, suite in zip(axes[0], suites):
-        for row, stats in result["suites"][suite].items():
+        for row, stats in panels[suite].items():
             if row != "paired" and "survival" in stats:
                 ax.plot(range(1, P + 1), stats["survival"], marker="o", label=f"{row} (τ {stats['mean_accepted_length']:.2f})")
         ax.set_title(suite)
@@ -433,6 +450,10 @@ def _print(result: dict) -> None:
                 print(f"{suite:10s} {row:12s} tps {s['tps']:8.1f}  x AR {s['speedup']:5.2f}  "
                       f"tau {s['mean_accepted_length']:5.2f}  exact {s['exact_match_rate']:.2f}")
     _print_paired("all suites", result.get("pooled", {}))
+    for row, s in result.get("all_suites", {}).items():
+        if row != "paired" and s.get("survival"):
+            print(f"{'all suites':10s} {row:12s} tau {s['mean_accepted_length']:5.2f}  survival "
+                  + " ".join(f"{x:.3f}" for x in s["survival"]))
     for r in result.get("operator", []):
         print(f"operator {r['shape']:16s} unfused {r['unfused_us']:9.1f} us  fused {r['fused_us']:9.1f} us  "
               f"({-100 * r['reduction']:+.1f}%)  rel err reads {r['rel_err_reads']:.1e} state {r['rel_err_state']:.1e}")
