@@ -4,13 +4,11 @@ flush out, in one process on one GPU, and take differences (H200.md: "time varia
 one stage out ... and take differences").
 
 Fig 11b's goal is a fused verify + pending update within 5% of verify alone (`bench kernels`,
-`fused_over_verify` <= 1.05). The H200 measured a 5-token chain at 6.1 us a layer alone and
-7.3 us with 8 pending factors (1.19), and the extra ~1.15 us did not move with the accepted
-length A = 1..8: `advance_tile` then walked all PP = next_pow2(P) factor rows, loading and
-applying each (dead rows as the identity) whatever the accepted length. This script split that
-cost into the flush store, the factor loads and the FMA chain, and timed exact rewrites that
-skip dead rows; the shipped kernel now loads and applies live rows only (`skip_dead` in the
-first runs, `current` since; `apply_dead` is the kernel before).
+`fused_over_verify` <= 1.05). The first runs split the fused kernel's extra time into the flush
+store, the factor loads and the FMA chain over the tile, which led to the shipped kernel loading
+and applying live rows only, two rows ahead. The variants now: `current`; `lazy_first`, the
+kernel before b652a62, whose first two factor rows waited for the pending length's load;
+`no_store`, without the flush (wrong on purpose); `live_loop`, a loop of A iterations.
 
     TRITON_INTERPRET=1 python benchmarks/diagnostics/pending_update.py   # CPU smoke test
     python benchmarks/diagnostics/pending_update.py [--out FILE]          # H200
@@ -45,42 +43,22 @@ COMMIT_SRC = ROOT / "specla/ops/gdn/commit.py"
 SERIAL_SRC = ROOT / "specla/ops/gdn/serial.py"
 IMPORT = "from specla.ops.gdn.commit import "  # serial.py's import of advance_tile, redirected per variant
 
-_K_LOAD = "        kr = tl.load(k + (row * H + i_h) * K + o_k, mask=mk & livep, other=0.0).to(tl.float32)\n"
-_U_LOAD = "        ur = tl.load(u + (row * HV + hv) * V + o_v, mask=mv & livep, other=0.0).to(tl.float32)\n"
-_FACTOR = "        row, livep, gp = _factor(path, g, b, hv, p, P, n_live, n_src, HV, HAS_PATH)\n"
-_UPDATE = "        if livep:\n            S = decay_update(S, tl.exp(gp), kr, ur)\n"
-_ALL_ROWS = [("mask=mk & livep", "mask=mk & (p < P)"), ("mask=mv & livep", "mask=mv & (p < P)")]
+def _first_row(p: int, eager: bool) -> str:
+    """advance_tile's request of factor row p (0 or 1), as written with `eager` requests."""
+    return (f"    k{p}, u{p}, g{p}, live{p} = _factor_rows(k, g, u, path, b, hv, i_h, {p}, P, n_live, n_src, o_k, mk, o_v, mv,\n"
+            f"                                     H, HV, K, V, HAS_PATH, {eager})\n")
+
 
 # name -> (claimed exact, edits of commit.py, edits of serial.py); every old text must occur once.
+# The variants of the first runs (every padded row applied, dead rows loaded, no factor loads,
+# no FMA chain) edited code that no longer exists; their timings are in pending_update_81f2b3f.json
+# and pending_update_9fe7990.json.
 VARIANTS = {
     "current": (True, [], []),
-    # the kernel before: every padded row loaded and applied, dead ones as the identity (zeroed
-    # by `where`: γ = exp(0) = 1, k uᵀ = 0), so exact
-    "apply_dead": (True, _ALL_ROWS + [
-        (_UPDATE, "        S = decay_update(S, tl.exp(gp), tl.where(livep, kr, 0.0), tl.where(livep, ur, 0.0))\n")], []),
-    # dead rows fetch nothing but are applied as the identity (their loads gave zeros): exact
-    "mask_live": (True, [(_UPDATE, "        S = decay_update(S, tl.exp(gp), kr, ur)\n")], []),
+    # before b652a62: the first two rows requested only once the length's load has arrived
+    "lazy_first": (True, [(_first_row(0, True), _first_row(0, False)), (_first_row(1, True), _first_row(1, False))], []),
     # the flush: the advanced tile is not written back (the scalar length test stays)
-    "no_store": (False, [], [("                tl.store(p_S, S, mask=m_S)\n", "                pass\n")]),
-    # every padded row loaded, summed (vector adds) and applied as one update at the end, so
-    # apply_dead - no_math is the cost of PP - 1 tile-wide FMA passes; a plain deletion would
-    # let the compiler drop the loads too
-    "no_math": (False, _ALL_ROWS + [
-        ("    n_live = tl.load(length + b)\n",
-         "    n_live = tl.load(length + b)\n    acc_g = 0.0\n    acc_k = o_k * 0.0\n    acc_u = o_v * 0.0\n"),
-        (_UPDATE + "    return S\n",
-         "        acc_g += gp\n        acc_k += tl.where(livep, kr, 0.0)\n        acc_u += tl.where(livep, ur, 0.0)\n"
-         "    return decay_update(S, tl.exp(acc_g), acc_k, acc_u)\n"),
-    ], []),
-    # no factor loads: k, u and the decay come from the tile's own indices (per-thread values
-    # the compiler cannot fold into a constant tile), every padded row applied, so the PP-long
-    # FMA chain is apply_dead's
-    "no_loads": (False, [
-        (_FACTOR, "        livep = (p < P) & (p < n_live)\n        gp = tl.where(livep, -0.01 * (p + 1), 0.0)\n"),
-        (_K_LOAD, "        kr = (o_k + p).to(tl.float32) * 1e-3\n"),
-        (_U_LOAD, "        ur = (o_v - p).to(tl.float32) * 1e-3\n"),
-        (_UPDATE, "        S = decay_update(S, tl.exp(gp), tl.where(livep, kr, 0.0), tl.where(livep, ur, 0.0))\n"),
-    ], []),
+    "no_store": (False, [], [("                    tl.store(p_S, S, mask=m_S)\n", "                    pass\n")]),
     # only the accepted rows are visited, in a loop of n_live iterations: exact
     "live_loop": (True, [("    for p in tl.static_range(PP):\n", "    for p in range(n_live):\n")], []),
 }
