@@ -51,17 +51,12 @@ def _factor(path, g, b, hv, p, P, n_live, n_src, HV: tl.constexpr, HAS_PATH: tl.
 
 @triton.jit
 def _factor_rows(k, g, u, path, b, hv, i_h, p, P, n_live, n_src, o_k, mk, o_v, mv,
-                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, HAS_PATH: tl.constexpr,
-                 EAGER: tl.constexpr):
+                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, HAS_PATH: tl.constexpr):
     """Factor p's k and u rows, each loaded straight into the vector layout it is used in and only
-    if the factor is live (EAGER: whenever it is in the buffer, so the load need not wait for the
-    length), its log-decay and whether it is live."""
+    if the factor is live, its log-decay and whether it is live."""
     row, live, gp = _factor(path, g, b, hv, p, P, n_live, n_src, HV, HAS_PATH)
-    want = live
-    if EAGER:
-        want = p < P
-    kr = tl.load(k + (row * H + i_h) * K + o_k, mask=mk & want, other=0.0).to(tl.float32)
-    ur = tl.load(u + (row * HV + hv) * V + o_v, mask=mv & want, other=0.0).to(tl.float32)
+    kr = tl.load(k + (row * H + i_h) * K + o_k, mask=mk & live, other=0.0).to(tl.float32)
+    ur = tl.load(u + (row * HV + hv) * V + o_v, mask=mv & live, other=0.0).to(tl.float32)
     return kr, ur, gp, live
 
 
@@ -82,15 +77,13 @@ def advance_tile(S, b, hv, i_h, k, g, u, path, length, n_src, P,
     # (kernels.json, Fig 11b). A dead factor is skipped, not applied as the identity: a chain
     # buffer has 16 padded rows and ~5 accepted ones, and the 16-long FMA chain over the tile
     # cost more than the verify's first nodes (H200, pending_update_9fe7990.json)
-    # the first two rows are requested without waiting for the length's load: behind it, their
-    # own load latency sat between the state tile's arrival and the first update
     k0, u0, g0, live0 = _factor_rows(k, g, u, path, b, hv, i_h, 0, P, n_live, n_src, o_k, mk, o_v, mv,
-                                     H, HV, K, V, HAS_PATH, True)
+                                     H, HV, K, V, HAS_PATH)
     k1, u1, g1, live1 = _factor_rows(k, g, u, path, b, hv, i_h, 1, P, n_live, n_src, o_k, mk, o_v, mv,
-                                     H, HV, K, V, HAS_PATH, True)
+                                     H, HV, K, V, HAS_PATH)
     for p in tl.static_range(PP):
         k2, u2, g2, live2 = _factor_rows(k, g, u, path, b, hv, i_h, p + 2, P, n_live, n_src, o_k, mk, o_v, mv,
-                                         H, HV, K, V, HAS_PATH, False)
+                                         H, HV, K, V, HAS_PATH)
         if live0:
             S = decay_update(S, tl.exp(g0), k0, u0)
         k0, u0, g0, live0 = k1, u1, g1, live1
