@@ -6,9 +6,9 @@ one stage out ... and take differences").
 Fig 11b's goal is a fused verify + pending update within 5% of verify alone (`bench kernels`,
 `fused_over_verify` <= 1.05). The first runs split the fused kernel's extra time into the flush
 store, the factor loads and the FMA chain over the tile, which led to the shipped kernel loading
-and applying live rows only, two rows ahead. The variants now: `current`; `chunked`, rows in
-unrolled groups of 4 under a dynamic loop over the live ones (at most 3 dead rows visited);
-`no_store`, without the flush (wrong on purpose); `live_loop`, a loop of A iterations.
+and applying live rows only, two rows ahead. The variants now: `current` (the
+buffer's P rows unrolled); `pow2_rows`, the kernel before stop 39, which unrolled the next power
+of two of P (16 for a chain's 9-row buffer); `no_store`, without the flush (wrong on purpose); `live_loop`, a loop of A iterations.
 
     TRITON_INTERPRET=1 python benchmarks/diagnostics/pending_update.py   # CPU smoke test
     python benchmarks/diagnostics/pending_update.py [--out FILE]          # H200
@@ -19,7 +19,7 @@ copy); none of them is specla's code. The variants claimed exact must equal the 
 verifier (outputs and the flushed state) and the script stops if they do not; the others are
 wrong on purpose and report their largest difference. Shapes: the paper's (H = HV = 8,
 dk = dv = 256), a 5-node chain (`chain=True`) as `bench kernels`' fused section times it,
-pending buffers of P = 8 and 16 rows with A = 1, 4, 8 accepted, three serial tilings; 24 layers
+pending buffers of P = 8, 9 (a chain's or tree's of 8 drafts) and 16 rows with A = 1, 4, 8 accepted, three serial tilings; 24 layers
 replayed from one CUDA graph and divided by 24. On CPU (TRITON_INTERPRET=1) it runs every
 variant at a tiny shape, does the exactness checks and writes no file.
 """
@@ -53,8 +53,6 @@ k0, u0, g0, live0 = k1, u1, g1, live1
 k1, u1, g1, live1 = k2, u2, g2, live2
 """
 _LOOP = "    for p in tl.static_range(PP):\n" + textwrap.indent(_BODY, " " * 8)
-_CHUNKED = ("    for c in range(0, tl.cdiv(tl.minimum(n_live, P), 4)):\n        for j in tl.static_range(4):\n"
-            "            p = c * 4 + j\n" + textwrap.indent(_BODY, " " * 12))
 
 # name -> (claimed exact, edits of commit.py, edits of serial.py); every old text must occur once.
 # The variants of the first runs (every padded row applied, dead rows loaded, no factor loads,
@@ -62,10 +60,8 @@ _CHUNKED = ("    for c in range(0, tl.cdiv(tl.minimum(n_live, P), 4)):\n        
 # and pending_update_9fe7990.json.
 VARIANTS = {
     "current": (True, [], []),
-    # rows in unrolled groups of 4 under a loop over the live ones: at most 3 dead rows visited
-    # (a 16-row buffer costs 0.75 us a layer more than an 8-row one at A = 1 with every row visited,
-    # H100, pending_update_c5c8bdd_h100.json), the prefetch two rows ahead carried across groups
-    "chunked": (True, [(_LOOP, _CHUNKED)], []),
+    # before 2026-12-05 (stop 39): the rows unrolled up to the next power of two of the buffer's
+    "pow2_rows": (True, [("plen.contiguous(), P, P, True", "plen.contiguous(), P, triton.next_power_of_2(P), True")], []),
     # the flush: the advanced tile is not written back (the scalar length test stays)
     "no_store": (False, [], [("                    tl.store(p_S, S, mask=m_S)\n", "                    pass\n")]),
     # only the accepted rows are visited, in a loop of n_live iterations: exact
@@ -161,9 +157,9 @@ def main(argv=None) -> int:
     ins = b.layer_inputs(n, 7)
     # CPU: one tiling with two V-tiles (V = 16), so the tile offsets are exercised
     tilings = TILINGS if cuda else [{"block_v": 8, "num_warps": 1}]
-    grid = [(P, A) for P in (8, 16) for A in (1, 4, 8)] if cuda else [(8, 3)]
+    grid = [(P, A) for P in (8, 9, 16) for A in (1, 4, 8)] if cuda else [(8, 3)]
     # A = 0 (nothing pending, no flush) and A = P (every row live) are the edges of the dead-row rewrites
-    check_configs = [(8, 0), *grid, (16, 16)] if cuda else [(8, 0), (8, 3), (16, 16)]
+    check_configs = [(8, 0), *grid, (16, 16)] if cuda else [(8, 0), (8, 3), (9, 4), (9, 9), (16, 16)]
     result = {**environment(), "note": __doc__.split("\n\n")[0].replace("\n", " "),
               "shape": {"H": b.H, "HV": b.HV, "K": b.K, "V": b.V, "layers": b.layers, "chain_nodes": n},
               "timing": "us per layer: CUDA graph of 24 layers, median replay (do_bench) / 24" if cuda

@@ -68,7 +68,7 @@ def advance_tile(S, b, hv, i_h, k, g, u, path, length, n_src, P,
     """Apply the first length[b] factors of row b (nodes path[b, :], or 0.. without a path).
 
     k [B, n_src, H, K], g [B, n_src, HV], u [B, n_src, HV, V] are contiguous; S is the
-    [BK, BV] fp32 tile of rows o_k, columns o_v.
+    [BK, BV] fp32 tile of rows o_k, columns o_v; PP (>= P) rows are visited, unrolled.
     """
     n_live = tl.load(length + b)
     # factor p + 2's rows are requested before factor p is applied: loaded just before its own
@@ -120,12 +120,15 @@ def gdn_commit(state, k, g, u, path, length, *, block_v: int = 16, num_warps: in
     NV = triton.cdiv(V, BV)
     _commit_kernel[(B * HV * NV,)](state, k.contiguous(), g.contiguous(), u.contiguous(), path.contiguous(),
                                    length.contiguous(), n, P, H=H, HV=HV, K=K, V=V,
-                                   BK=triton.next_power_of_2(K), BV=BV, NV=NV, PP=triton.next_power_of_2(P),
+                                   BK=triton.next_power_of_2(K), BV=BV, NV=NV, PP=P,
                                    num_warps=num_warps)
 
 
 def pending_args(pending, device):
-    """Kernel arguments for an optional pending update: (k, g, u, length, P, PP, present)."""
+    """Kernel arguments for an optional pending update: (k, g, u, length, P, PP, present); PP, the
+    rows `advance_tile` unrolls over, is the buffer's P itself, not a power of two: every row
+    visited costs time even when dead (a 9-row chain buffer padded to 16 rows cost ~0.75 us a
+    layer more at the paper shape, H100, pending_update_c5c8bdd_h100.json)."""
     if pending is None or pending[0].shape[1] == 0:
         # never read (every load sits under HAS_PENDING): uninitialised, so no fill kernel joins
         # each layer's launch (it cost ~13 us of a 0.37 ms AR step of the demo target)
@@ -133,4 +136,4 @@ def pending_args(pending, device):
         return dummy, dummy, dummy, torch.empty(1, dtype=torch.long, device=device), 0, 1, False
     pk, pg, pu, plen = pending
     P = pk.shape[1]
-    return pk.contiguous(), pg.contiguous(), pu.contiguous(), plen.contiguous(), P, triton.next_power_of_2(P), True
+    return pk.contiguous(), pg.contiguous(), pu.contiguous(), plen.contiguous(), P, P, True

@@ -175,7 +175,7 @@ def state_read(states, pendings, queries, value_map=None, flush: bool = True, *,
     BK = triton.next_power_of_2(K)
     use_dot = BV >= 16 and BK >= 16
     P = max([p[0].shape[1] for p in pendings if p is not None] or [0])
-    PP = triton.next_power_of_2(max(P, 1))
+    PP = max(P, 1)  # the pending rows advance_tile visits
     PQ = triton.next_power_of_2(max(NQ, 1))
     R = value_map.shape[2] if value_map is not None else V
     RR = triton.next_power_of_2(R)
