@@ -45,14 +45,16 @@ def variants(H=8, HV=8, K=256, V=256):
 
     for BV, warps in ((8, 1), (8, 2), (8, 4), (16, 4), (16, 8), (32, 8)):
         for tree, hybrid, paths, pending, final in (
-                (False, False, False, False, False), (False, False, False, False, True),
+                (False, False, False, False, False), (False, False, False, True, False), (False, False, False, False, True),
                 (True, False, False, True, False), (True, True, False, True, False), (True, True, False, False, False),
                 (False, False, True, True, False)):
             kind = "paths" if paths else "hybrid" if hybrid else "tree" if tree else "sequence" if final else "chain"
-            yield (f"verify[{kind}{'+pending' if pending else ''}] BV={BV} w={warps}", serial.tree_verify_kernel,
-                   dict(H=H, HV=HV, K=K, V=V, BK=K, BV=BV, NV=V // BV, NP=64, PP=16, TREE=tree, HYBRID=hybrid,
-                        PATHS=paths, HAS_PENDING=pending, STORE_U=not final, WRITE_FINAL=final,
-                        HAS_VALID=paths or not tree and not hybrid and not final), warps)
+            # pending rows unrolled: an 8-draft chain's or tree's buffer (9), and 16
+            for PP in (9, 16) if pending else (1,):
+                yield (f"verify[{kind}{f'+pending{PP}' if pending else ''}] BV={BV} w={warps}", serial.tree_verify_kernel,
+                       dict(H=H, HV=HV, K=K, V=V, BK=K, BV=BV, NV=V // BV, NP=64, PP=PP, TREE=tree, HYBRID=hybrid,
+                            PATHS=paths, HAS_PENDING=pending, STORE_U=not final, WRITE_FINAL=final,
+                            HAS_VALID=paths or not tree and not hybrid and not final), warps)
     for NT, BV, BKC, warps in [(nt, *t) for nt, t in parallel.TILINGS.items()] + list(parallel.SWEEP):
         for pending in (False, True):
             yield (f"parallel{'+pending' if pending else ''} NT={NT} BV={BV} BK={BKC} w={warps}",
