@@ -154,17 +154,17 @@ def _pairs(recs: dict, rows) -> dict:
     return {f"{x}/{y}": _paired(recs.get(x, {}), recs.get(y, {})) for x, y in pairs if x in recs and y in recs}
 
 
+def _row_summaries(recs: dict, rows) -> dict:
+    """Every row's summary against AR on these records."""
+    ar = recs.get("ar", {})
+    return {"ar": {**_summary(ar, ar), "mean_accepted_length": 1.0},
+            **{row: _summary(recs.get(row, {}), ar) for row in rows}}
+
+
 def summarise(done: dict, suites, rows) -> dict:
     """Per suite: every row's summary against AR, and the paired comparisons (`_pairs`)."""
-    out = {}
-    for suite in suites:
-        recs = done.get(suite, {})
-        ar = recs.get("ar", {})
-        out[suite] = {"ar": {**_summary(ar, ar), "mean_accepted_length": 1.0}}
-        for row in rows:
-            out[suite][row] = _summary(recs.get(row, {}), ar)
-        out[suite]["paired"] = _pairs(recs, rows)
-    return out
+    return {suite: {**_row_summaries(done.get(suite, {}), rows), "paired": _pairs(done.get(suite, {}), rows)}
+            for suite in suites}
 
 
 def _merged(done: dict, suites) -> dict:
@@ -185,7 +185,13 @@ def pooled(done: dict, suites, rows) -> dict:
 def all_suites(done: dict, suites, rows) -> dict:
     """Every row's summary over all suites' prompts together: the survival curve of the whole
     evaluation, each row's tokens and seconds summed over the suites (AR's on the same prompts)."""
-    return summarise({"all": _merged(done, suites)}, ["all"], rows)["all"]
+    return _row_summaries(_merged(done, suites), rows)
+
+
+def sections(done: dict, suites, rows) -> dict:
+    """The result's summaries of the finished generations: `suites`, `pooled`, `all_suites`."""
+    return {"suites": summarise(done, suites, rows), "pooled": pooled(done, suites, rows),
+            "all_suites": all_suites(done, suites, rows)}
 
 
 def read_log(log_path: Path) -> dict:
@@ -205,9 +211,7 @@ def resummarise(out_dir, name: str = "ready") -> dict:
     result = json.loads((out / f"{name}.json").read_text())
     done = read_log(out / f"{name}_log.jsonl")
     rows = [r for r in next(iter(result["suites"].values())) if r not in ("ar", "paired")]
-    result["suites"] = summarise(done, list(result["suites"]), rows)
-    result["pooled"] = pooled(done, list(result["suites"]), rows)
-    result["all_suites"] = all_suites(done, list(result["suites"]), rows)
+    result.update(sections(done, list(result["suites"]), rows))
     result["resummarised"] = True
     (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     _plot(result, out / f"{name}.png")
@@ -264,9 +268,7 @@ def decode_section(lm, drafters: dict, suites, n_prompts, max_new_tokens: int, g
                 log.write(json.dumps(rec) + "\n")
                 log.flush()
     log.close()
-    return {"suites": summarise(done, suites, list(drafters)), "pooled": pooled(done, suites, list(drafters)),
-            "all_suites": all_suites(done, suites, list(drafters)),
-            "complete": complete}
+    return {**sections(done, suites, list(drafters)), "complete": complete}
 
 
 # operator latency ------------------------------------------------------------------------------
