@@ -29,10 +29,15 @@ block; node by node it would unroll P loads per block), and the advanced block i
 back: the verify is also the flush. `valid` [B]: nodes from valid[b] on are padding (`drafters.base.pad_draft`); their o
 and u are written as zeros and the solve stops at the deepest real node.
 
-The nodes are padded to NT = max(16, next power of two ≥ n) (`tl.dot` needs dims ≥ 16); M̄
-comes from `ops.ancestor_closure` (on the device, cached per parent array, so shared by
-every layer of a round and capturable). Needs K, V ≥ 16. Registers grow as NT²: meant for
-draft trees (n ≤ 64).
+Node 0 is peeled off the block: in a topological parent array it is always a root, so its u row
+is its R row, final before any solve, and its products with the state and the other nodes
+(S₀ᵀk₀, S₀ᵀq₀, K k₀, Q k₀, q₀·k₀) are vectors summed beside the block's matmuls. Its
+descendants then see it as one known term in R (−β D_{j0} (k_j·k₀) u₀) and in O. A draft tree is
+a root (the last accepted token) and its drafts, so a 16-draft tree (17 nodes) fills a 16-row
+block instead of being padded to 32. The other nodes are padded to NT = max(16, next power of
+two ≥ n − 1) rows (`tl.dot` needs dims ≥ 16); M̄ comes from `ops.ancestor_closure` (on the
+device, cached per parent array, so shared by every layer of a round and capturable). Needs
+K, V ≥ 16. Registers grow as NT²: meant for draft trees (n ≤ MAX_NODES).
 
 Unlike the serial verifier, a node's output is not computed from its parent's materialised
 state, and the flush is not the commit's node-by-node update, so the bits differ from the
@@ -64,21 +69,29 @@ def _parallel_verify_kernel(
     b, hv, vt = pid // (HV * NV), (pid // NV) % HV, pid % NV
     i_h = hv // (HV // H)
     rows = tl.arange(0, NT)
+    node = rows + 1  # the block's rows are nodes 1..NT; node 0 is peeled off (module docstring)
     n_real = n
     if HAS_VALID:
         n_real = real_nodes(valid, b, n)
-    live = rows < n
+    live = node < n
     o_v = vt * BV + tl.arange(0, BV)
     mv = o_v < V
 
-    Mb = tl.load(mask + b * NT * NT + rows[:, None] * NT + rows[None, :]) > 0  # ancestor-or-self
-    gg = tl.load(g + (b * n + rows) * HV + hv, mask=live, other=0.0).to(tl.float32)
-    bb = tl.load(beta + (b * n + rows) * HV + hv, mask=live, other=0.0).to(tl.float32)
-    p_v = v + b.to(tl.int64) * s_vb + rows[:, None] * s_vn + hv * V + o_v[None, :]
+    p_M = mask + b * n * n  # the closure is n wide
+    Mb = tl.load(p_M + node[:, None] * n + node[None, :], mask=live[:, None] & live[None, :], other=0.0) > 0
+    M0 = tl.load(p_M + node * n, mask=live, other=0.0) > 0  # node 0 is an ancestor
+    gg = tl.load(g + (b * n + node) * HV + hv, mask=live, other=0.0).to(tl.float32)
+    bb = tl.load(beta + (b * n + node) * HV + hv, mask=live, other=0.0).to(tl.float32)
+    p_v = v + b.to(tl.int64) * s_vb + node[:, None] * s_vn + hv * V + o_v[None, :]
     b_v = tl.load(p_v, mask=live[:, None] & mv[None, :], other=0.0).to(tl.float32)
+    g0 = tl.load(g + b * n * HV + hv).to(tl.float32)
+    b0 = tl.load(beta + b * n * HV + hv).to(tl.float32)
+    v0 = tl.load(v + b.to(tl.int64) * s_vb + hv * V + o_v, mask=mv, other=0.0).to(tl.float32)
 
-    p_q = q + b.to(tl.int64) * s_qb + rows[:, None] * s_qn + i_h * K
-    p_k = k + b.to(tl.int64) * s_kb + rows[:, None] * s_kn + i_h * K
+    p_q0 = q + b.to(tl.int64) * s_qb + i_h * K
+    p_k0 = k + b.to(tl.int64) * s_kb + i_h * K
+    p_q = p_q0 + node[:, None] * s_qn
+    p_k = p_k0 + node[:, None] * s_kn
     p_S = state + (b * HV + hv).to(tl.int64) * K * V + o_v[None, :]
     if HAS_PENDING:
         # S <- Γ_P S + Σ_p (Γ_P / Γ_p) k_p u_pᵀ over the live pending factors, as one product
@@ -97,11 +110,19 @@ def _parallel_verify_kernel(
     QK = tl.zeros([NT, NT], dtype=tl.float32)
     KS = tl.zeros([NT, BV], dtype=tl.float32)
     QS = tl.zeros([NT, BV], dtype=tl.float32)
+    # node 0's products, as vectors: K k₀, Q k₀ over the block's rows, S₀ᵀk₀, S₀ᵀq₀, q₀·k₀
+    Kk0 = tl.zeros([NT], dtype=tl.float32)
+    Qk0 = tl.zeros([NT], dtype=tl.float32)
+    k0S = tl.zeros([BV], dtype=tl.float32)
+    q0S = tl.zeros([BV], dtype=tl.float32)
+    q0k0 = 0.0
     for k0 in range(0, K, BKC):
         o_k = k0 + tl.arange(0, BKC)
         mk = o_k < K
         b_k = tl.load(p_k + o_k[None, :], mask=live[:, None] & mk[None, :], other=0.0).to(tl.float32)
         b_q = tl.load(p_q + o_k[None, :], mask=live[:, None] & mk[None, :], other=0.0).to(tl.float32)
+        r_k = tl.load(p_k0 + o_k, mask=mk, other=0.0).to(tl.float32)
+        r_q = tl.load(p_q0 + o_k, mask=mk, other=0.0).to(tl.float32)
         m_S = mk[:, None] & mv[None, :]
         S = tl.load(p_S + o_k[:, None] * V, mask=m_S, other=0.0)
         if HAS_PENDING:
@@ -115,41 +136,55 @@ def _parallel_verify_kernel(
         QK = tl.dot(b_q, tl.trans(b_k), QK, input_precision=PREC)
         KS = tl.dot(b_k, S, KS, input_precision=PREC)
         QS = tl.dot(b_q, S, QS, input_precision=PREC)
+        Kk0 += tl.sum(b_k * r_k[None, :], 1)
+        Qk0 += tl.sum(b_q * r_k[None, :], 1)
+        k0S += tl.sum(r_k[:, None] * S, 0)
+        q0S += tl.sum(r_q[:, None] * S, 0)
+        q0k0 += tl.sum(r_q * r_k, 0)
 
-    Gc = tl.sum(tl.where(Mb, gg[None, :], 0.0), 1)  # log Γ_j
+    # node 0 has no ancestors: its row of the solve is its R row, final at once
+    u0 = b0 * (v0 - tl.exp(g0) * k0S)
+    Gc = tl.sum(tl.where(Mb, gg[None, :], 0.0), 1) + tl.where(M0, g0, 0.0)  # log Γ_j
     D = tl.where(Mb, tl.exp(Gc[:, None] - Gc[None, :]), 0.0)
+    D0 = tl.where(M0, tl.exp(Gc - g0), 0.0)  # Γ_j / Γ_0 below node 0, else 0
     Gam = tl.exp(Gc)
     A = tl.where(rows[:, None] > rows[None, :], bb[:, None] * D * KK, 0.0)
-    R = bb[:, None] * (b_v - Gam[:, None] * KS)
-    # Jacobi steps up to the deepest real node (depth = ancestors and itself)
-    depth = tl.max(tl.where(rows < n_real, tl.sum(Mb.to(tl.int32), 1), 0), 0)
+    R = bb[:, None] * (b_v - Gam[:, None] * KS) - (bb * D0 * Kk0)[:, None] * u0[None, :]
+    # Jacobi steps up to the deepest real node below node 0 (depth = ancestors and itself)
+    depth = tl.max(tl.where(node < n_real, tl.sum(Mb.to(tl.int32), 1), 0), 0)
     U = R
     for _ in range(1, depth):
         U = R - tl.dot(A, U, input_precision="ieee")
-    O = (Gam[:, None] * QS + tl.dot(D * QK, U, input_precision="ieee")) * scale
+    O = (Gam[:, None] * QS + (D0 * Qk0)[:, None] * u0[None, :] + tl.dot(D * QK, U, input_precision="ieee")) * scale
+    O0 = (tl.exp(g0) * q0S + q0k0 * u0) * scale
 
-    real = rows < n_real
-    p_out = ((b * n + rows[:, None]) * HV + hv).to(tl.int64) * V + o_v[None, :]
+    real = node < n_real
+    p_out = ((b * n + node[:, None]) * HV + hv).to(tl.int64) * V + o_v[None, :]
     m_out = live[:, None] & mv[None, :]
     tl.store(o + p_out, tl.where(real[:, None], O, 0.0), mask=m_out)
     tl.store(u + p_out, tl.where(real[:, None], U, 0.0), mask=m_out)
+    p_out0 = (b * n * HV + hv).to(tl.int64) * V + o_v
+    tl.store(o + p_out0, tl.where(n_real > 0, O0, 0.0), mask=mv)
+    tl.store(u + p_out0, tl.where(n_real > 0, u0, 0.0), mask=mv)
 
 
 # padded nodes NT -> (BV, BKC, warps): spill-free at the paper shape (`python -m specla.ops.aot_check`)
-TILINGS = {16: (16, 32, 4), 32: (16, 32, 4), 64: (16, 16, 8)}
+TILINGS = {16: (16, 32, 4), 32: (16, 16, 4)}
 # what `bench kernels` times besides them (and aot_check compiles)
-SWEEP = ((16, 32, 16, 4), (16, 32, 32, 4), (32, 16, 16, 4), (32, 32, 16, 8))
+SWEEP = ((16, 16, 16, 4), (16, 32, 32, 4), (16, 32, 32, 8), (32, 16, 16, 8))
+MAX_NODES = 33  # NT = 32 (node 0 peeled): at NT = 64 the pending update spills
 
 
 def padded_nodes(n: int) -> int:
-    """NT, the node count a topology of n nodes is padded to (tl.dot needs 16)."""
-    return max(16, triton.next_power_of_2(n))
+    """NT, the rows a topology of n nodes is padded to: nodes 1..n-1, node 0 peeled off
+    (tl.dot needs 16)."""
+    return max(16, triton.next_power_of_2(n - 1))
 
 
 def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, valid=None, *,
                     block_v: int | None = None, block_k: int | None = None, num_warps: int | None = None,
                     num_stages: int | None = None, precision: str = "tf32x3"):
-    """Same contract as `naive.gdn_tree_verify` (fp32 state; K, V >= 16; n <= 64). The tiling
+    """Same contract as `naive.gdn_tree_verify` (fp32 state; K, V >= 16; n <= MAX_NODES). The tiling
     defaults to `TILINGS` for the padded node count."""
     B, n, HV, V = v.shape
     H, K = k.shape[2], k.shape[3]
@@ -157,12 +192,12 @@ def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, valid
         raise ValueError(f"the parallel verifier needs K, V >= 16 (tl.dot), got K={K}, V={V}")
     dev = state.device
     NT = padded_nodes(n)
-    if NT > 64:
-        raise ValueError(f"the parallel verifier takes up to 64 nodes, got {n}")
+    if n > MAX_NODES:
+        raise ValueError(f"the parallel verifier takes up to {MAX_NODES} nodes, got {n}")
     bv, bk, warps = TILINGS[NT]
     BV = max(16, min(block_v or bv, triton.next_power_of_2(V)))
     BKC = max(16, min(block_k or bk, triton.next_power_of_2(K)))
-    mask = plan_for(parents).closure(parents, NT)  # cached on the caller's tensor: once per round
+    mask = plan_for(parents).closure(parents, n)  # cached on the caller's tensor: once per round
     q, k, v = _rows(q), _rows(k), _rows(v)
     o = torch.empty(B, n, HV, V, dtype=state.dtype, device=dev)
     u = torch.empty_like(o)
