@@ -110,12 +110,14 @@ def _parallel_verify_kernel(
     QK = tl.zeros([NT, NT], dtype=tl.float32)
     KS = tl.zeros([NT, BV], dtype=tl.float32)
     QS = tl.zeros([NT, BV], dtype=tl.float32)
-    # node 0's products, as vectors: K k₀, Q k₀ over the block's rows, S₀ᵀk₀, S₀ᵀq₀, q₀·k₀
-    Kk0 = tl.zeros([NT], dtype=tl.float32)
-    Qk0 = tl.zeros([NT], dtype=tl.float32)
-    k0S = tl.zeros([BV], dtype=tl.float32)
-    q0S = tl.zeros([BV], dtype=tl.float32)
-    q0k0 = 0.0
+    # node 0's products (K k₀, Q k₀ over the block's rows, S₀ᵀk₀, S₀ᵀq₀, q₀·k₀), accumulated
+    # elementwise in the blocks' own layouts and reduced once after the loop: a reduction per
+    # block put a cross-warp exchange on the loop's critical path
+    Kk0 = tl.zeros([NT, BKC], dtype=tl.float32)
+    Qk0 = tl.zeros([NT, BKC], dtype=tl.float32)
+    k0S = tl.zeros([BKC, BV], dtype=tl.float32)
+    q0S = tl.zeros([BKC, BV], dtype=tl.float32)
+    q0k0 = tl.zeros([BKC], dtype=tl.float32)
     for k0 in range(0, K, BKC):
         o_k = k0 + tl.arange(0, BKC)
         mk = o_k < K
@@ -136,11 +138,16 @@ def _parallel_verify_kernel(
         QK = tl.dot(b_q, tl.trans(b_k), QK, input_precision=PREC)
         KS = tl.dot(b_k, S, KS, input_precision=PREC)
         QS = tl.dot(b_q, S, QS, input_precision=PREC)
-        Kk0 += tl.sum(b_k * r_k[None, :], 1)
-        Qk0 += tl.sum(b_q * r_k[None, :], 1)
-        k0S += tl.sum(r_k[:, None] * S, 0)
-        q0S += tl.sum(r_q[:, None] * S, 0)
-        q0k0 += tl.sum(r_q * r_k, 0)
+        Kk0 += b_k * r_k[None, :]
+        Qk0 += b_q * r_k[None, :]
+        k0S += r_k[:, None] * S
+        q0S += r_q[:, None] * S
+        q0k0 += r_q * r_k
+    Kk0 = tl.sum(Kk0, 1)
+    Qk0 = tl.sum(Qk0, 1)
+    k0S = tl.sum(k0S, 0)
+    q0S = tl.sum(q0S, 0)
+    q0k0 = tl.sum(q0k0, 0)
 
     # node 0 has no ancestors: its row of the solve is its R row, final at once
     u0 = b0 * (v0 - tl.exp(g0) * k0S)
