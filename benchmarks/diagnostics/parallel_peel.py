@@ -1,8 +1,8 @@
 """What peeling node 0 off the parallel verifier's block costs and saves (docs/kernels.md).
 
-A draft tree of 16 drafts is 17 nodes: before the peel the parallel verifier padded it to a
-32-row block (and 33 nodes to 64); with node 0 peeled off, 16 and 32 rows. Node 0's products
-with the state and the other nodes are then vectors summed beside the block's matmuls. This
+A draft tree of 16 drafts is 17 nodes: unpeeled the parallel verifier pads it to a 32-row
+block (and 33 nodes to 64); with node 0 peeled off, 16 and 32 rows, node 0's products with
+the state and the other nodes then summed beside the block's matmuls. This
 times, per layer of the paper's shape (H = HV = 8, dk = dv = 256), each from a CUDA graph of
 `--layers` layers (`bench.common.graph_time_ms`), every given copy of `ops/gdn/parallel.py`
 (`--variant NAME=FILE`; the installed module as `current`) at each of its tilings, on

@@ -546,3 +546,21 @@ def test_parallel_over_k_blocks_and_deep_trees(kind, n, poison):
     close(o, ro, "o")
     close(u, ru, "u")
     close(S_out, S_ref, "state")
+
+
+def test_parallel_peeled_node0_and_padding(poison):
+    """33 nodes take the peeled block (node 0 off, 32 rows): every node gets node 0's terms,
+    padding past valid[b] comes back as zeros, and the pending update is still flushed."""
+    n, H, HV, K, V = 33, 1, 2, 32, 16
+    assert parallel.peels(n) and parallel.padded_nodes(n) == 32 and not parallel.peels(n - 1)
+    par = torch.tensor([parents_of("beam", n, 2), parents_of("random", n, 3)])
+    q, k, v, g, beta, S = inputs(2, n, H, HV, K, V, 13)
+    pend = pending_of(2, 3, H, HV, K, V, 13)
+    valid = torch.tensor([n, 20])
+    S_ref, S_out = S.clone(), S.clone()
+    ro, ru = naive.gdn_tree_verify(q, k, v, g, beta, S_ref, par, K ** -0.5, pend, valid)
+    o, u = parallel.gdn_tree_verify(q, k, v, g, beta, S_out, par, K ** -0.5, pend, valid)
+    close(o, ro, "o")
+    close(u, ru, "u")
+    close(S_out, S_ref, "state")
+    assert not o[1, 20:].any() and not u[1, 20:].any()
