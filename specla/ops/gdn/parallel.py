@@ -32,8 +32,9 @@ and u are written as zeros and the solve stops at the deepest real node.
 The nodes are padded to NT = max(16, next power of two ≥ n) rows (`tl.dot` needs dims ≥ 16),
 except where node 0 is peeled off (`peels`: a tree of 32 drafts, 33 nodes, whose 64-row block
 spilled and ran 2.3x slower than the peeled 32-row one). Node 0 is the root (`topology`), so its
-u row is its R row, final before any solve, and its products with the state and the other nodes (S₀ᵀk₀, S₀ᵀq₀, K k₀, Q k₀, q₀·k₀) are summed beside the block's
-matmuls; its descendants see it as one known term in R (−β D_{j0} (k_j·k₀) u₀) and in O. M̄
+u row is its R row, final before any solve, and its products with the state and the other
+nodes (S₀ᵀk₀, S₀ᵀq₀, K k₀, Q k₀, q₀·k₀) are summed beside the block's matmuls; its
+descendants see it as one known term in R (−β D_{j0} (k_j·k₀) u₀) and in O. M̄
 comes from `ops.ancestor_closure` (on the device, cached per parent array, so shared by every
 layer of a round and capturable). Needs K, V ≥ 16. Registers grow as NT²: meant for draft
 trees (n ≤ MAX_NODES).
