@@ -192,9 +192,14 @@ def peels(n: int) -> bool:
     return n > 32
 
 
+def _block_rows(n: int) -> int:
+    """A block's rows for n nodes: a power of two, at least 16 (tl.dot)."""
+    return max(16, triton.next_power_of_2(n))
+
+
 def padded_nodes(n: int) -> int:
-    """NT, the block's rows for a topology of n nodes (tl.dot needs 16)."""
-    return max(16, triton.next_power_of_2(n - 1 if peels(n) else n))
+    """NT, the block's rows for a topology of n nodes."""
+    return _block_rows(n - 1 if peels(n) else n)
 
 
 def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, valid=None, *,
@@ -213,7 +218,7 @@ def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, valid
     bv, bk, warps = TILINGS[NT, peels(n)]
     BV = max(16, min(block_v or bv, triton.next_power_of_2(V)))
     BKC = max(16, min(block_k or bk, triton.next_power_of_2(K)))
-    MW = max(16, triton.next_power_of_2(n))  # the closure's width: every row of the block lies inside
+    MW = _block_rows(n)  # the closure's width: every row of the block lies inside
     mask = plan_for(parents).closure(parents, MW)  # cached on the caller's tensor: once per round
     q, k, v = _rows(q), _rows(k), _rows(v)
     o = torch.empty(B, n, HV, V, dtype=state.dtype, device=dev)
