@@ -157,6 +157,10 @@ def test_step_prelude_is_row_zero_of_every_chain_verify(dtype, bias):
                                         b[:, :m], *consts)
         for name, p_, f in zip("qkvgb", part, full):
             assert torch.equal(p_, f[:, :m]), (m, name)
+    for tiling in ((2, 2), (8, 4), (32, 8)):  # nodes a program, warps: the same bits from any split
+        for name, t_, f in zip("qkvgb", conv_triton.tree_prelude(x, conv_state, weight, bias_, chain, a, b, *consts,
+                                                                 tiling=tiling), full):
+            assert torch.equal(t_, f), (tiling, name)
     stepped = conv_state.clone()
     step = conv_triton.step_prelude(x[:, :1], stepped, weight, bias_, a[:, :1], b[:, :1], *consts)
     for name, s_, f in zip("qkvgb", step, full):

@@ -16,12 +16,13 @@ import triton.language as tl
 @triton.jit
 def _tree_conv_tile(x, conv_state, weight, bias, parents, b, ch, mc, n, C, s_xb, s_xn,
                     W: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    CHAIN: tl.constexpr = False):
-    """silu(conv over each node's ancestors) of channels ch, [NP, BC] fp32 (rows past n are 0).
-    CHAIN: node j's parent is j - 1 (parents is not read); a chain's nodes get the same bits
-    either way, and an AR step is the one-node chain. Every element is its own sequence of
-    operations (taps newest first), so a node's values do not depend on NP or the layout."""
-    j = tl.arange(0, NP)
+                    CHAIN: tl.constexpr = False, j0=0):
+    """silu(conv over each node's ancestors) of channels ch for nodes j0 … j0 + NP - 1, [NP, BC]
+    fp32 (rows past n are 0). CHAIN: node j's parent is j - 1 (parents is not read); a chain's
+    nodes get the same bits either way, and an AR step is the one-node chain. Every element is
+    its own sequence of operations (taps newest first), so a node's values do not depend on NP,
+    j0 or the layout."""
+    j = j0 + tl.arange(0, NP)
     mj = j < n
     acc = tl.zeros([NP, BC], dtype=tl.float32)
     a = j  # the t-th ancestor of each node (t = 0: itself)
@@ -249,29 +250,32 @@ def step_prelude(x, conv_state, weight, bias, a, b, A_log, dt_bias, num_heads: i
     return q, k, v, g, beta
 
 
-TREE_PRELUDE_MAX_NODES = 32  # a head's [nodes, K] tile stays in registers
+TREE_PRELUDE_MAX_NODES = 32
 
 
-def tree_prelude_warps(NP: int) -> int:
-    """Warps for NP (padded) nodes: a [32, 256] head tile spills at 8 warps (aot_check)."""
-    return 4 if NP <= 8 else 8 if NP <= 16 else 16
+def tree_prelude_tiling(n: int) -> tuple[int, int]:
+    """(nodes a program, warps) for n nodes. A program per (head, block of nodes): the head's
+    walk up the parents and its norms are latency, so four-node blocks spread a 13- or 17-node
+    verify over 4-5x the programs of one [n, K] tile a head (docs/kernels.md)."""
+    NB = max(2, min(4, triton.next_power_of_2(n)))
+    return NB, 4 if NB == 4 else 2
 
 
 @triton.jit
 def _tree_prelude_kernel(x, conv_state, weight, bias, parents, a, bb, A_log, dt_bias, q, k, v, g, beta, n, C,
                          s_xb, s_xn, s_ab, s_an, s_bb, s_bn,
                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
-                         NP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         NB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_BIAS: tl.constexpr,
                          NEG: tl.constexpr):
-    head, b = tl.program_id(0), tl.program_id(1)
-    j = tl.arange(0, NP)
+    head, b, j0 = tl.program_id(0), tl.program_id(1), tl.program_id(2) * NB
+    j = j0 + tl.arange(0, NB)
     mj = j < n
-    if head < 2 * H:  # a q or k head of every node: tree conv, rounded as tree_conv's output, l2norm
+    if head < 2 * H:  # a q or k head of NB nodes: tree conv, rounded as tree_conv's output, l2norm
         o = tl.arange(0, BK)
         mo = o < K
         s = _tree_conv_tile(x, conv_state, weight, bias, parents, b, head * K + o, mo, n, C, s_xb, s_xn,
-                            W, NP, BK, HAS_BIAS)
-        s = _l2norm_rows(s.to(x.dtype.element_ty).to(tl.float32), NP, BK)
+                            W, NB, BK, HAS_BIAS, False, j0)
+        s = _l2norm_rows(s.to(x.dtype.element_ty).to(tl.float32), NB, BK)
         m = mj[:, None] & mo[None, :]
         if head < H:
             tl.store(q + ((b * n + j[:, None]) * H + head).to(tl.int64) * K + o[None, :], s, mask=m)
@@ -282,7 +286,7 @@ def _tree_prelude_kernel(x, conv_state, weight, bias, parents, a, bb, A_log, dt_
         o = tl.arange(0, BV)
         mo = o < V
         s = _tree_conv_tile(x, conv_state, weight, bias, parents, b, 2 * H * K + hv * V + o, mo, n, C, s_xb, s_xn,
-                            W, NP, BV, HAS_BIAS)
+                            W, NB, BV, HAS_BIAS, False, j0)
         s = s.to(x.dtype.element_ty).to(tl.float32)
         tl.store(v + ((b * n + j[:, None]) * HV + hv).to(tl.int64) * V + o[None, :], s,
                  mask=mj[:, None] & mo[None, :])
@@ -293,7 +297,7 @@ def _tree_prelude_kernel(x, conv_state, weight, bias, parents, a, bb, A_log, dt_
 
 
 def tree_prelude(x, conv_state, weight, bias, parents, a, b, A_log, dt_bias, num_heads: int, head_dim: int,
-                 neg_eigval: bool, state_dtype=torch.float32):
+                 neg_eigval: bool, state_dtype=torch.float32, *, tiling: tuple[int, int] | None = None):
     """Same contract as `naive.tree_prelude` for up to TREE_PRELUDE_MAX_NODES nodes (fp32
     outputs): the tree conv and the factors in one launch, nothing else written."""
     B, n, C = x.shape
@@ -307,10 +311,11 @@ def tree_prelude(x, conv_state, weight, bias, parents, a, b, A_log, dt_bias, num
     q, k = torch.empty(B, n, H, K, **f32), torch.empty(B, n, H, K, **f32)
     v, g, beta = torch.empty(B, n, HV, V, **f32), torch.empty(B, n, HV, **f32), torch.empty(B, n, HV, **f32)
     W = weight.shape[1]
-    _tree_prelude_kernel[(2 * H + HV, B)](
+    NB, warps = tiling or tree_prelude_tiling(n)
+    _tree_prelude_kernel[(2 * H + HV, B, triton.cdiv(n, NB))](
         x, conv_state.contiguous(), weight.contiguous(), bias if bias is not None else weight, parents.contiguous(),
         a, b, A_log, dt_bias, q, k, v, g, beta, n, C, x.stride(0), x.stride(1), a.stride(0), a.stride(1),
-        b.stride(0), b.stride(1), H=H, HV=HV, K=K, V=V, W=W, NP=triton.next_power_of_2(n),
+        b.stride(0), b.stride(1), H=H, HV=HV, K=K, V=V, W=W, NB=NB,
         BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V), HAS_BIAS=bias is not None, NEG=neg_eigval,
-        num_warps=tree_prelude_warps(triton.next_power_of_2(n)))
+        num_warps=warps)
     return q, k, v, g, beta
