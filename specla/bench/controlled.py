@@ -141,13 +141,14 @@ class ChainRuntime:
         return self.drafter.propose(DraftContext(None, self.target.cache, root=self.target.next_root))
 
     def verify_round(self, draft):
-        return self.target.round(draft.tokens, draft.parents, self.capture, draft.valid, chain=True)
+        return self.target.round(draft.tokens, draft.parents, self.capture, draft.valid, chain=True,
+                                 static=draft.static)
 
     def round(self, a: int) -> torch.Tensor:
         """Queue one round that accepts a drafts; its report (on the device)."""
         self.forced.fill_(a)
         r = self.verify_round(self.propose())
-        self.drafter.extend(r.path_tokens, r.hidden, r.count)
+        self.drafter.extend(r.path_tokens, r.hidden, r.count, static=r.static)
         return r.report
 
     def components(self, reps: int) -> dict:
@@ -165,7 +166,7 @@ class ChainRuntime:
             t2 = time.perf_counter()
             r.report.tolist()
             t3 = time.perf_counter()
-            self.drafter.extend(r.path_tokens, r.hidden, r.count)
+            self.drafter.extend(r.path_tokens, r.hidden, r.count, static=r.static)
             _sync(self.dev)
             t4 = time.perf_counter()
             for k, (a, b) in zip(t, ((t0, t1), (t1, t2), (t2, t3), (t3, t4))):
