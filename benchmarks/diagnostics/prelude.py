@@ -26,7 +26,7 @@ from specla.bench.common import environment, graph_time_ms, load_variant
 from specla.bench.trees import beam_tree
 from specla.ops.conv import triton as conv
 
-TILINGS = [(2, 2), (4, 2), (4, 4), (8, 4), (8, 8), (16, 8)]
+TILINGS = [(2, 4), (2, 2), (2, 8), (4, 4), (4, 8), (8, 16), (16, 8)]
 
 
 def topologies(dev) -> dict[str, torch.Tensor]:

@@ -70,7 +70,7 @@ def variants(H=8, HV=8, K=256, V=256):
     yield "step_conv", conv._step_conv_kernel, dict(W=4, WP=4, BC=128, HAS_BIAS=False), 4
     yield ("step_prelude", conv._step_prelude_kernel,
            dict(H=H, HV=HV, K=K, V=V, W=4, WP=4, BK=K, BV=V, HAS_BIAS=False, NEG=False), 4)
-    for n in (2, 17):
+    for n in (17,):
         NB, warps = conv.tree_prelude_tiling(n)
         yield (f"tree_prelude NB={NB}", conv._tree_prelude_kernel,
                dict(H=H, HV=HV, K=K, V=V, W=4, NB=NB, BK=K, BV=V, HAS_BIAS=False, NEG=False), warps)

@@ -254,11 +254,12 @@ TREE_PRELUDE_MAX_NODES = 32
 
 
 def tree_prelude_tiling(n: int) -> tuple[int, int]:
-    """(nodes a program, warps) for n nodes. A program per (head, block of nodes): the head's
-    walk up the parents and its norms are latency, so four-node blocks spread a 13- or 17-node
-    verify over 4-5x the programs of one [n, K] tile a head (docs/kernels.md)."""
-    NB = max(2, min(4, triton.next_power_of_2(n)))
-    return NB, 4 if NB == 4 else 2
+    """(nodes a program, warps) for n nodes: a program per (head, pair of nodes), four warps.
+    The fixed-order row sums of the l2 norm cost by the values a thread holds: at the paper's
+    shape (K = 256) a [2, 256] tile on 4 warps took 4.3-4.7 µs a layer for 9-17 nodes, [4, 256]
+    on 4 warps 6.0-6.3, one [32, 256] tile a head on 8 warps (before) 15.9 (H100,
+    `diagnostics/prelude.py`, docs/kernels.md)."""
+    return 2, 4
 
 
 @triton.jit
