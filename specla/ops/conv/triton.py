@@ -257,7 +257,7 @@ def tree_prelude_tiling(n: int) -> tuple[int, int]:
     """(nodes a program, warps) for n nodes: a program per (head, pair of nodes), four warps.
     The fixed-order row sums of the l2 norm cost by the values a thread holds: at the paper's
     shape (K = 256) a [2, 256] tile on 4 warps took 4.3-4.7 µs a layer for 9-17 nodes, [4, 256]
-    on 4 warps 6.0-6.3, one [32, 256] tile a head on 8 warps (before) 15.9 (H100,
+    on 4 warps 6.0-6.3, one [n, 256] tile a head (before) 9.6-15.9 (H100,
     `diagnostics/prelude.py`, docs/kernels.md)."""
     return 2, 4
 
