@@ -35,8 +35,7 @@ from specla.state import Cache, GDNLayerState, store_pending
 # SEQUENCE_WIDTHS that holds it (the longest one repeated for longer prompts), one replay each.
 # 2026-12-02 H200 e2e, demo pair: the plain path cost ~8 ms a prompt below 512 tokens and a
 # median ~25 ms from 512 on, nearly all host time (a compiled region call per layer and phase);
-# a chain replay costs 0.63 ms a 32-token chunk. 32 keeps the verify's conv and factors in one
-# kernel (ops' TREE_PRELUDE_MAX_NODES).
+# a chain replay costs 0.63 ms a 32-token chunk.
 PREFILL_WIDTH = 32
 # `specla bench prefill` on the H200 (prefill_ef49ee7.json): sequences through the fused regions
 # cost 0.96-1.0 ms at 64 tokens, 1.04 at 128, 1.19 at 256, 1.35 at 512; chains 0.58 ms at 16

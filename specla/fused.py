@@ -14,13 +14,13 @@ calls through this module instead:
       [residual add + attn RMSNorm + in_proj] -> ops.step_prelude (conv, silu, factors)       (AR)
       [residual add + attn RMSNorm + in_proj + short conv + silu + l2norm(q|k) + g + beta]   (prefill)
       [residual add + attn RMSNorm + in_proj] -> ops.tree_prelude (tree conv, silu, factors)  (verify)
-        (beyond TREE_PRELUDE_MAX_NODES: ops.tree_conv -> [silu'd conv out -> factors])
+        (without Triton, or for an fp64 or low-precision state: ops.tree_conv -> [silu'd conv out -> factors])
       ops.gdn_sequence / ops.gdn_tree_verify -> ops.gated_rms_norm                (Triton)
       [o_proj + residual add + MLP RMSNorm + gate|up + SwiGLU + down]
       ... next layer's first region adds the MLP output to the residual ...
       [residual add + final RMSNorm + LM head]
 
-  An AR step's conv and factors are one Triton kernel, so are a verify's (up to 32 nodes), and
+  An AR step's conv and factors are one Triton kernel, so are a verify's, and
   so is the gated output norm: Inductor made seven small kernels of the former and two of the
   latter (several reductions over differently shaped slices; ~10 us and nine launches a layer
   of a 1.62 ms AR step on the H200). The MLP output is handed to the next region unsummed, so

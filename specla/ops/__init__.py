@@ -279,11 +279,7 @@ def step_prelude(x, conv_state, weight, bias, a, b, A_log, dt_bias, num_heads, h
 def tree_prelude_takes(x, state_dtype) -> bool:
     """Whether `tree_prelude` runs as one kernel for these pre-conv inputs and state precision
     (else the fused path keeps ops.tree_conv and its compiled factors region)."""
-    if not use_triton(x) or x.dtype == torch.float64 or state_dtype != torch.float32:
-        return False
-    from specla.ops.conv import triton as conv_triton
-
-    return x.shape[1] <= conv_triton.TREE_PRELUDE_MAX_NODES
+    return use_triton(x) and x.dtype != torch.float64 and state_dtype == torch.float32
 
 
 def tree_prelude(x, conv_state, weight, bias, parents, a, b, A_log, dt_bias, num_heads, head_dim, neg_eigval,

@@ -250,9 +250,6 @@ def step_prelude(x, conv_state, weight, bias, a, b, A_log, dt_bias, num_heads: i
     return q, k, v, g, beta
 
 
-TREE_PRELUDE_MAX_NODES = 32
-
-
 def tree_prelude_tiling(n: int) -> tuple[int, int]:
     """(nodes a program, warps) for n nodes: a program per (head, pair of nodes), four warps.
     The fixed-order row sums of the l2 norm cost by the values a thread holds: at the paper's
@@ -299,14 +296,13 @@ def _tree_prelude_kernel(x, conv_state, weight, bias, parents, a, bb, A_log, dt_
 
 def tree_prelude(x, conv_state, weight, bias, parents, a, b, A_log, dt_bias, num_heads: int, head_dim: int,
                  neg_eigval: bool, state_dtype=torch.float32, *, tiling: tuple[int, int] | None = None):
-    """Same contract as `naive.tree_prelude` for up to TREE_PRELUDE_MAX_NODES nodes (fp32
-    outputs): the tree conv and the factors in one launch, nothing else written."""
+    """Same contract as `naive.tree_prelude` (fp32 outputs, an fp32 state): the tree conv and
+    the factors in one launch, nothing else written."""
     B, n, C = x.shape
     H, K, HV = num_heads, head_dim, a.shape[-1]
     V = (C - 2 * H * K) // HV
-    if n > TREE_PRELUDE_MAX_NODES or state_dtype != torch.float32:
-        raise ValueError(f"tree_prelude takes up to {TREE_PRELUDE_MAX_NODES} nodes and an fp32 state, "
-                         f"got {n}, {state_dtype}")
+    if state_dtype != torch.float32:
+        raise ValueError(f"tree_prelude takes an fp32 state, got {state_dtype}")
     x, a, b = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, a, b))
     f32 = dict(dtype=torch.float32, device=x.device)
     q, k = torch.empty(B, n, H, K, **f32), torch.empty(B, n, H, K, **f32)
