@@ -70,10 +70,9 @@ def variants(H=8, HV=8, K=256, V=256):
     yield "step_conv", conv._step_conv_kernel, dict(W=4, WP=4, BC=128, HAS_BIAS=False), 4
     yield ("step_prelude", conv._step_prelude_kernel,
            dict(H=H, HV=HV, K=K, V=V, W=4, WP=4, BK=K, BV=V, HAS_BIAS=False, NEG=False), 4)
-    for n in (17,):
-        NB, warps = conv.tree_prelude_tiling(n)
-        yield (f"tree_prelude NB={NB}", conv._tree_prelude_kernel,
-               dict(H=H, HV=HV, K=K, V=V, W=4, NB=NB, BK=K, BV=V, HAS_BIAS=False, NEG=False), warps)
+    NB, warps = conv.TREE_PRELUDE_TILING
+    yield (f"tree_prelude NB={NB}", conv._tree_prelude_kernel,
+           dict(H=H, HV=HV, K=K, V=V, W=4, NB=NB, BK=K, BV=V, HAS_BIAS=False, NEG=False), warps)
     yield ("gated_rms_norm", norm._gated_rms_norm_kernel, dict(HV=HV, V=V, BV=V, HAS_Z=True, SIGMOID=False), 4)
     # a rollout depth of 4 beams over a 32k vocabulary (the 1.3B shape's), top-4
     yield "ancestor closure", closure._closure_kernel, dict(NP=32, STEPS=4), 4

@@ -250,13 +250,12 @@ def step_prelude(x, conv_state, weight, bias, a, b, A_log, dt_bias, num_heads: i
     return q, k, v, g, beta
 
 
-def tree_prelude_tiling(n: int) -> tuple[int, int]:
-    """(nodes a program, warps) for n nodes: a program per (head, pair of nodes), four warps.
-    The fixed-order row sums of the l2 norm cost by the values a thread holds: at the paper's
-    shape (K = 256) a [2, 256] tile on 4 warps took 4.3-4.7 µs a layer for 9-17 nodes, [4, 256]
-    on 4 warps 6.0-6.3, one [n, 256] tile a head (before) 9.6-15.9 (H100,
-    `diagnostics/prelude.py`, docs/kernels.md)."""
-    return 2, 4
+# (nodes a program, warps) of `tree_prelude`: a program per (head, pair of nodes), four warps.
+# The fixed-order row sums of the l2 norm cost by the values a thread holds: at the paper's
+# shape (K = 256) a [2, 256] tile on 4 warps took 4.3-4.7 µs a layer for 9-17 nodes, [4, 256]
+# on 4 warps 6.0-6.3, one [n, 256] tile a head (before) 9.6-15.9 (H100,
+# `diagnostics/prelude.py`, docs/kernels.md).
+TREE_PRELUDE_TILING = (2, 4)
 
 
 @triton.jit
@@ -308,7 +307,7 @@ def tree_prelude(x, conv_state, weight, bias, parents, a, b, A_log, dt_bias, num
     q, k = torch.empty(B, n, H, K, **f32), torch.empty(B, n, H, K, **f32)
     v, g, beta = torch.empty(B, n, HV, V, **f32), torch.empty(B, n, HV, **f32), torch.empty(B, n, HV, **f32)
     W = weight.shape[1]
-    NB, warps = tiling or tree_prelude_tiling(n)
+    NB, warps = tiling or TREE_PRELUDE_TILING
     _tree_prelude_kernel[(2 * H + HV, B, triton.cdiv(n, NB))](
         x, conv_state.contiguous(), weight.contiguous(), bias if bias is not None else weight, parents.contiguous(),
         a, b, A_log, dt_bias, q, k, v, g, beta, n, C, x.stride(0), x.stride(1), a.stride(0), a.stride(1),

@@ -229,7 +229,7 @@ def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, valid
         q, k, v, g.contiguous(), beta.contiguous(), state, o, u, mask,
         pk, pg, pu, plen, plen if valid is None else valid.contiguous(),
         scale, n, P, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        H=H, HV=HV, K=K, V=V, BKC=BKC, BV=BV, NV=triton.cdiv(V, BV), NT=NT, MW=MW, PD=max(16, triton.next_power_of_2(PP)), PEEL=peels(n),
-        HAS_PENDING=has_pending, HAS_VALID=valid is not None, PREC=precision, num_warps=num_warps or warps,
+        H=H, HV=HV, K=K, V=V, BKC=BKC, BV=BV, NV=triton.cdiv(V, BV), NT=NT, MW=MW,
+        PD=max(16, triton.next_power_of_2(PP)), PEEL=peels(n), HAS_PENDING=has_pending, HAS_VALID=valid is not None, PREC=precision, num_warps=num_warps or warps,
         **({"num_stages": num_stages} if num_stages else {}))
     return o, u
