@@ -177,11 +177,10 @@ def table1(bench: Bench, tiling: dict) -> list[dict]:
                                                      for li in r2l_in for pi in li]))
             per["serial"].append(bench.time_ms(lambda: [serial.gdn_tree_verify(*x, par, scale, **tiling) for x in ins]))
             per["parallel"].append(bench.time_ms(lambda: [parallel.gdn_tree_verify(*x, par, scale) for x in ins]))
-            for nt, peel, bv, bk, warps in parallel.SWEEP:  # other tilings of the same block
-                if (nt, peel) == (parallel.padded_nodes(len(p)), parallel.peels(len(p))):
-                    per.setdefault(f"parallel_bv{bv}_bk{bk}_w{warps}", []).append(bench.time_ms(
-                        lambda: [parallel.gdn_tree_verify(*x, par, scale, block_v=bv, block_k=bk, num_warps=warps)
-                                 for x in ins]))
+            for nt, t in parallel.SWEEP:  # other tilings of the same block
+                if nt == parallel.padded_nodes(len(p)):
+                    per.setdefault("parallel_" + "_".join(map(str, t)), []).append(bench.time_ms(
+                        lambda: [parallel.gdn_tree_verify(*x, par, scale, tiling=t) for x in ins]))
             per["hybrid"].append(bench.time_ms(lambda: [hybrid.gdn_tree_verify(*x, par, scale, **tiling) for x in ins]))
             for t in tilings(bench.quick, PATHS_TILINGS):
                 per.setdefault(f"paths_bv{t['block_v']}_w{t['num_warps']}", []).append(bench.time_ms(

@@ -55,12 +55,14 @@ def variants(H=8, HV=8, K=256, V=256):
                        dict(H=H, HV=HV, K=K, V=V, BK=K, BV=BV, NV=V // BV, NP=64, PP=PP, TREE=tree, HYBRID=hybrid,
                             PATHS=paths, HAS_PENDING=pending, STORE_U=not final, WRITE_FINAL=final,
                             HAS_VALID=paths or not tree and not hybrid and not final), warps)
-    for NT, peel, BV, BKC, warps in [(*block, *t) for block, t in parallel.TILINGS.items()] + list(parallel.SWEEP):
+    for NT, (BV, KW, BKC, warps, solve_warps) in list(parallel.TILINGS.items()) + list(parallel.SWEEP):
+        tiling = f"NT={NT} BV={BV} KW={KW} BK={BKC}"
         for pending in (False, True):
-            yield (f"parallel{'+pending' if pending else ''}{' peeled' if peel else ''} NT={NT} BV={BV} BK={BKC} w={warps}",
-                   parallel._parallel_verify_kernel,
-                   dict(H=H, HV=HV, K=K, V=V, BKC=BKC, BV=BV, NV=V // BV, NT=NT, MW=2 * NT if peel else NT, PD=32,
-                        PEEL=peel, HAS_PENDING=pending, HAS_VALID=True, PREC="tf32x3"), warps)
+            yield (f"parallel products{'+pending' if pending else ''} {tiling} w={warps}", parallel._products_kernel,
+                   dict(H=H, HV=HV, K=K, V=V, BKC=BKC, KW=KW, BV=BV, NV=V // BV, NKS=K // KW, NT=NT, PD=16,
+                        HAS_PENDING=pending, PREC="tf32x3"), warps)
+        yield (f"parallel solve {tiling} w={solve_warps}", parallel._solve_kernel,
+               dict(HV=HV, V=V, BV=BV, NV=V // BV, NKS=K // KW, NT=NT, HAS_VALID=True), solve_warps)
     for BV in (16, 32):
         yield (f"commit BV={BV}", commit._commit_kernel,
                dict(H=H, HV=HV, K=K, V=V, BK=K, BV=BV, NV=V // BV, PP=16), 4)

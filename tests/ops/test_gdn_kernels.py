@@ -532,35 +532,38 @@ def test_paths_compute_the_serial_pass_bits(kind, poison):
     assert not counters.zeroed(S.device, 1).any()
 
 
+@pytest.mark.parametrize("tiling", [(16, 32, 16, 4, 4), (16, 16, 16, 2, 2)])
 @pytest.mark.parametrize("kind,n", [("beam", 17), ("deep", 33), ("chain", 20), ("star", 16)])
-def test_parallel_over_k_blocks_and_deep_trees(kind, n, poison):
-    """The parallel verifier's K loop (several blocks, a ragged last one), uneven V tiles, GVA,
-    a pending update flushed block by block, and trees deep enough for many Jacobi steps."""
+def test_parallel_over_k_stretches_and_deep_trees(kind, n, tiling, poison):
+    """The parallel verifier's K split (several stretches of one or two blocks, a ragged last
+    one), uneven V tiles, GVA, a pending update flushed block by block, and trees deep enough
+    for many Jacobi steps."""
     B, H, HV, K, V = 2, 1, 2, 48, 40
     par = torch.tensor([parents_of(kind, n, 5 + b) for b in range(B)])
     q, k, v, g, beta, S = inputs(B, n, H, HV, K, V, 9, torch.bfloat16)
     pend = pending_of(B, 3, H, HV, K, V, 9)
     S_ref, S_out = S.clone(), S.clone()
     ro, ru = naive.gdn_tree_verify(q, k, v, g, beta, S_ref, par, K ** -0.5, pend)
-    o, u = parallel.gdn_tree_verify(q, k, v, g, beta, S_out, par, K ** -0.5, pend, block_k=16)
+    o, u = parallel.gdn_tree_verify(q, k, v, g, beta, S_out, par, K ** -0.5, pend, tiling=tiling)
     close(o, ro, "o")
     close(u, ru, "u")
     close(S_out, S_ref, "state")
 
 
-def test_parallel_peeled_node0_and_padding(poison):
-    """33 nodes take the peeled block (node 0 off, 32 rows): every node gets node 0's terms,
-    padding past valid[b] comes back as zeros, and the pending update is still flushed."""
-    n, H, HV, K, V = 33, 1, 2, 32, 16
-    assert parallel.peels(n) and parallel.padded_nodes(n) == 32 and not parallel.peels(n - 1)
-    par = torch.tensor([parents_of("beam", n, 2), parents_of("random", n, 3)])
-    q, k, v, g, beta, S = inputs(2, n, H, HV, K, V, 13)
-    pend = pending_of(2, 3, H, HV, K, V, 13)
-    valid = torch.tensor([n, 20])
-    S_ref, S_out = S.clone(), S.clone()
-    ro, ru = naive.gdn_tree_verify(q, k, v, g, beta, S_ref, par, K ** -0.5, pend, valid)
-    o, u = parallel.gdn_tree_verify(q, k, v, g, beta, S_out, par, K ** -0.5, pend, valid)
-    close(o, ro, "o")
-    close(u, ru, "u")
-    close(S_out, S_ref, "state")
-    assert not o[1, 20:].any() and not u[1, 20:].any()
+def test_parallel_widest_block_and_padding(poison):
+    """33 and 64 nodes take the 64-row block: padding past valid[b] comes back as zeros, and
+    the pending update is still flushed."""
+    H, HV, K, V = 1, 2, 32, 16
+    for n in (33, parallel.MAX_NODES):
+        assert parallel.padded_nodes(n) == 64
+        par = torch.tensor([parents_of("beam", n, 2), parents_of("random", n, 3)])
+        q, k, v, g, beta, S = inputs(2, n, H, HV, K, V, 13)
+        pend = pending_of(2, 3, H, HV, K, V, 13)
+        valid = torch.tensor([n, 20])
+        S_ref, S_out = S.clone(), S.clone()
+        ro, ru = naive.gdn_tree_verify(q, k, v, g, beta, S_ref, par, K ** -0.5, pend, valid)
+        o, u = parallel.gdn_tree_verify(q, k, v, g, beta, S_out, par, K ** -0.5, pend, valid)
+        close(o, ro, "o")
+        close(u, ru, "u")
+        close(S_out, S_ref, "state")
+        assert not o[1, 20:].any() and not u[1, 20:].any()
