@@ -15,10 +15,11 @@ that stretch's K Kᵀ and Q Kᵀ; each writes its partial sums. `_solve_kernel`,
 (row, value head, V-tile), sums the partials and does the rest for all n nodes. The state
 enters through tensor-core products (accumulated over K blocks), so a node costs no pass over
 the tile of its own, unlike the serial verifier, whose recurrence is one latency-bound step per
-node. In one launch (a program per V-tile looping over the whole of K) the K loop's chain of
-dependent products was most of the time, with a single warp per multiprocessor partition to
-issue it; split over K, ~4x as many programs each run a quarter of it, and the node-by-node
-products (K Kᵀ, Q Kᵀ), which every V-tile needs and used to form for itself, are formed once.
+node. Until 2026-12-06 this was one launch, a program per V-tile looping over the whole of K
+and forming K Kᵀ and Q Kᵀ for itself (each of a head's V-tiles alike), with one warp per
+multiprocessor partition to issue the loop's chain of dependent products; split, on an H100,
+a 17-node tree with a pending update went from 17.5 to 13.0 µs a layer and a 33-node one from
+28.2 to 25.4 (`benchmarks/diagnostics/parallel_split.py`, parallel_split_*_h100.json).
 
 The solve is Jacobi's iteration U ← R − A U from U = R: A has a non-zero (j, i) only where i
 is a strict ancestor of j, so after t steps every node at depth ≤ t + 1 holds its final row,
@@ -183,10 +184,12 @@ def _solve_kernel(
 
 
 # NT -> (BV, KW, BKC, products' warps, solve's warps): KW, the K columns a products program
-# takes (a multiple of BKC, its block); spill-free at the paper shape (`python -m specla.ops.aot_check`)
-TILINGS = {16: (16, 32, 32, 4, 4), 32: (16, 64, 32, 4, 4), 64: (16, 64, 32, 8, 8)}
+# takes (a multiple of BKC, its block); the fastest of parallel_split.py's sweep on an H100 with a
+# pending update (NT = 16: the only spill-free one timed, 5% behind the fastest on a 13-node
+# chain, which spills), and spill-free at the paper shape (`python -m specla.ops.aot_check`)
+TILINGS = {16: (16, 32, 32, 4, 4), 32: (32, 64, 32, 2, 4), 64: (16, 64, 32, 4, 8)}
 # (NT, tiling): what `bench kernels` times besides them (and aot_check compiles)
-SWEEP = ((32, (16, 32, 32, 4, 4)), (32, (16, 128, 32, 4, 4)), (32, (32, 64, 32, 4, 4)), (32, (16, 64, 32, 2, 4)))
+SWEEP = ((32, (16, 64, 32, 4, 4)), (32, (32, 64, 32, 4, 4)), (32, (16, 64, 32, 2, 4)), (64, (32, 64, 32, 4, 8)))
 MAX_NODES = 64
 
 
