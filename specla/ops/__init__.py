@@ -10,11 +10,12 @@ GDN verification (docs/kernels.md):
   the demo target's 16-node trees: 272): the path-parallel verifier, a program per root-to-leaf
   path on the serial kernel's arithmetic (AR's bits; on the H200 a 16-node round costs what it
   costs with the parallel verifier, whose bits differ from AR's, `paths.py`);
-- a larger branching topology: the parallel verifier (UT form with the tree mask, one launch, no
-  per-node pass over the state), for up to PARALLEL_MAX_NODES = 33 nodes (on the H200 it beat
-  the serial verifier on 17-node trees, 0.34-0.36 against 0.53-0.57 ms for 24 layers,
-  kernels.json, d302d7f; on 33-node ones, with node 0 peeled off its block, on an H100 0.67-0.74
-  against 0.83-0.94 for the hybrid and 1.00-1.08 for the serial one, kernels_e405d6b_h100.json);
+- a larger branching topology: the parallel verifier (UT form with the tree mask, no per-node
+  pass over the state; two launches since 03d9ca7), for up to PARALLEL_MAX_NODES = 33 nodes, the
+  largest size measured (its one-launch form beat the serial verifier on 17-node trees on the
+  H200, 0.34-0.36 against 0.53-0.57 ms for 24 layers, kernels.json, d302d7f, and the hybrid on
+  33-node ones on an H100, 0.67-0.74 against 0.83-0.94, kernels_e405d6b_h100.json; split over K
+  it is 10-26% faster again, parallel_split_*_h100.json);
 - in exact mode (`exact_arithmetic`, docs/exact.md), or beyond that size: the serial verifier in
   tree mode where the cost model (`schedule.SERIAL_COST`) expects it to be faster (few nodes,
   short chains), the chain-decomposed hybrid otherwise. Their nodes advance a resident state
@@ -69,7 +70,7 @@ def _tiling_from_env() -> dict:
 TILING = _tiling_from_env()
 
 CAPTURED_SERIAL_MAX_NODES = 24
-PARALLEL_MAX_NODES = 33  # parallel.MAX_NODES
+PARALLEL_MAX_NODES = 33  # policy: parallel.MAX_NODES (64) is what the kernel takes
 # the path-parallel verifier while its (V-tile, node) programs fit on the GPU at once (paths.py)
 PATHS_MAX_NODES = 64  # the widest topology its path tables take (`ops.path_tables`)
 PATHS_MAX_PROGRAMS = 512
