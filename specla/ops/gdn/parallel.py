@@ -189,7 +189,7 @@ def _solve_kernel(
 # chain, which spills), and spill-free at the paper shape (`python -m specla.ops.aot_check`)
 TILINGS = {16: (16, 32, 32, 4, 4), 32: (32, 64, 32, 2, 4), 64: (16, 64, 32, 4, 8)}
 # (NT, tiling): what `bench kernels` times besides them (and aot_check compiles)
-SWEEP = ((32, (16, 64, 32, 4, 4)), (32, (32, 64, 32, 4, 4)), (32, (16, 64, 32, 2, 4)), (64, (32, 64, 32, 4, 8)))
+SWEEP = ((32, (16, 64, 32, 4, 4)), (32, (32, 64, 32, 4, 4)), (32, (16, 64, 32, 2, 4)), (64, (16, 32, 32, 4, 8)))
 MAX_NODES = 64
 
 
