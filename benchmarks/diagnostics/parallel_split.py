@@ -9,8 +9,8 @@ CUDA graph of `--layers` layers (`bench.common.graph_time_ms`), the installed mo
 tiling of `SPLIT_TILINGS` and every given copy of `ops/gdn/parallel.py` (`--variant
 NAME=FILE`, at its own default tiling), on a 13-node chain and Table 1's beam trees of 16 and
 32 drafts (17 and 33 nodes), with a pending update of 5 accepted factors in a 9-row buffer
-(the runtime's) and without one. Every variant's o and u are checked against the reference
-first (the relative error is recorded).
+(the runtime's) and without one. Every variant's o and u are compared with the reference first
+and the relative error recorded; the installed module's must be under 1e-4.
 
     TRITON_INTERPRET=1 python benchmarks/diagnostics/parallel_split.py     # CPU smoke test (tiny shape)
     python benchmarks/diagnostics/parallel_split.py --variant old=FILE [--out FILE]
@@ -77,7 +77,9 @@ def main(argv=None) -> int:
                              "us_per_layer": us, "rel_err": err})
                 print(f"{n} nodes  {pname:11s} {name:8s} {str(tiling):24s} {us:7.2f} µs a layer"
                       f"{'' if cuda else ' (interpreter: no timing)'}  rel err {err:.1e}")
-                assert err < 1e-4, f"{name} {tiling}: o/u off the reference by {err:.1e}"
+                # the shipped kernel must be exact to fp32 rounding; a variant may be inexact on
+                # purpose (single-pass TF32 as a bound): its error is recorded beside its time
+                assert name != "current" or err < 1e-4, f"{tiling}: o/u off the reference by {err:.1e}"
     if a.out and cuda:
         with open(a.out, "w") as f:
             json.dump({**environment(), "layers": a.layers, "shape": {"H": H, "HV": HV, "K": K, "V": V},
