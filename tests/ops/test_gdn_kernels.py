@@ -399,7 +399,7 @@ def test_commit_ignores_garbage_past_length(block_v, poison):
     close(S_out, S_ref, "state")
 
 
-@settings(max_examples=12, deadline=None, derandomize=True,
+@settings(max_examples=30, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(B=st.sampled_from([1, 2]), n=st.integers(1, 5), heads=st.sampled_from([(1, 1), (1, 2), (2, 4)]),
        KV=st.sampled_from([(16, 16), (16, 32), (24, 40)]), bv=st.sampled_from([8, 16]), P=st.sampled_from([0, 1, 3]),
@@ -545,6 +545,30 @@ def test_parallel_over_k_stretches_and_deep_trees(kind, n, tiling, poison):
     S_ref, S_out = S.clone(), S.clone()
     ro, ru = naive.gdn_tree_verify(q, k, v, g, beta, S_ref, par, K ** -0.5, pend)
     o, u = parallel.gdn_tree_verify(q, k, v, g, beta, S_out, par, K ** -0.5, pend, tiling=tiling)
+    close(o, ro, "o")
+    close(u, ru, "u")
+    close(S_out, S_ref, "state")
+
+
+@settings(max_examples=30, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(n=st.integers(1, 40), kinds=st.tuples(st.sampled_from(KINDS), st.sampled_from(KINDS)),
+       heads=st.sampled_from([(1, 1), (1, 2)]), K=st.sampled_from([16, 48]), V=st.sampled_from([16, 40]),
+       tiling=st.tuples(st.sampled_from([16, 32]), st.sampled_from([16, 32, 64]), st.just(16),
+                        st.sampled_from([1, 2, 4]), st.sampled_from([1, 4])),
+       P=st.sampled_from([0, 2]), cut=st.integers(0, 40), seed=st.integers(0, 2**16))
+def test_parallel_tilings_on_random_trees(n, kinds, heads, K, V, tiling, P, cut, seed, poison):
+    """The two launches at random tilings (V-tiles of 16 or 32, K stretches of one to four
+    blocks, a ragged last one where K = 48), random topologies of 1 to 40 nodes (16-, 32- and
+    64-row blocks), padding past a random valid count and an optional pending update."""
+    (H, HV), B = heads, 2
+    par = torch.tensor([parents_of(kinds[b], n, seed + b) for b in range(B)])
+    q, k, v, g, beta, S = inputs(B, n, H, HV, K, V, seed)
+    pend = pending_of(B, P, H, HV, K, V, seed) if P else None
+    valid = torch.tensor([n, min(cut, n)])
+    S_ref, S_out = S.clone(), S.clone()
+    ro, ru = naive.gdn_tree_verify(q, k, v, g, beta, S_ref, par, K ** -0.5, pend, valid)
+    o, u = parallel.gdn_tree_verify(q, k, v, g, beta, S_out, par, K ** -0.5, pend, valid, tiling=tiling)
     close(o, ro, "o")
     close(u, ru, "u")
     close(S_out, S_ref, "state")
