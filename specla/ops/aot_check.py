@@ -62,7 +62,7 @@ def variants(H=8, HV=8, K=256, V=256):
                    dict(H=H, HV=HV, K=K, V=V, BKC=BKC, KW=KW, BV=BV, NV=V // BV, NKS=K // KW, NT=NT, PD=16,
                         HAS_PENDING=pending, PREC="tf32x3"), warps)
         yield (f"parallel solve {tiling} w={solve_warps}", parallel._solve_kernel,
-               dict(HV=HV, V=V, BV=BV, NV=V // BV, NKS=K // KW, NT=NT, HAS_VALID=True), solve_warps)
+               dict(H=H, HV=HV, V=V, BV=BV, NV=V // BV, NKS=K // KW, NT=NT, HAS_VALID=True), solve_warps)
     for BV in (16, 32):
         yield (f"commit BV={BV}", commit._commit_kernel,
                dict(H=H, HV=HV, K=K, V=V, BK=K, BV=BV, NV=V // BV, PP=16), 4)

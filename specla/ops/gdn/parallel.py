@@ -10,7 +10,7 @@ log Γ = M̄ g and D_{ji} = Γ_j / Γ_i:
 
 Two launches. `_products_kernel` forms the K-long products, split over K: a program per
 (row, value head, V-tile, K stretch) multiplies its stretch of the state tile by the nodes'
-keys and queries (K S₀, Q S₀), and one more program per (row, value head, K stretch) forms
+keys and queries (K S₀, Q S₀), and one more program per (row, q/k head, K stretch) forms
 that stretch's K Kᵀ and Q Kᵀ; each writes its partial sums. `_solve_kernel`, a program per
 (row, value head, V-tile), sums the partials and does the rest for all n nodes. The state
 enters through tensor-core products (accumulated over K blocks), so a node costs no pass over
@@ -67,7 +67,8 @@ def _products_kernel(
     BKC: tl.constexpr, KW: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, NKS: tl.constexpr,
     NT: tl.constexpr, PD: tl.constexpr, HAS_PENDING: tl.constexpr, PREC: tl.constexpr,
 ):
-    # axis 0: (row, value head, V-tile), with one more "tile" a head for K Kᵀ and Q Kᵀ; axis 1: K stretch
+    # axis 0: (row, value head, V-tile), with one more "tile" a value head for K Kᵀ and Q Kᵀ (idle
+    # but for a group's first value head under GVA); axis 1: K stretch
     pid, s = tl.program_id(0), tl.program_id(1)
     b, hv, vt = pid // (HV * (NV + 1)), (pid // (NV + 1)) % HV, pid % (NV + 1)
     i_h = hv // (HV // H)
@@ -75,21 +76,7 @@ def _products_kernel(
     live = rows < n
     p_q = q + b.to(tl.int64) * s_qb + i_h * K + rows[:, None] * s_qn
     p_k = k + b.to(tl.int64) * s_kb + i_h * K + rows[:, None] * s_kn
-    part = (b * HV + hv) * NKS + s  # this program's slot among the partial sums
-    if vt == NV:
-        KK = tl.zeros([NT, NT], dtype=tl.float32)
-        QK = tl.zeros([NT, NT], dtype=tl.float32)
-        for k0 in range(s * KW, s * KW + KW, BKC):
-            o_k = k0 + tl.arange(0, BKC)
-            m = live[:, None] & (o_k < K)[None, :]
-            b_k = tl.load(p_k + o_k[None, :], mask=m, other=0.0).to(tl.float32)
-            b_q = tl.load(p_q + o_k[None, :], mask=m, other=0.0).to(tl.float32)
-            KK = tl.dot(b_k, tl.trans(b_k), KK, input_precision=PREC)
-            QK = tl.dot(b_q, tl.trans(b_k), QK, input_precision=PREC)
-        p_g = (part * NT + rows[:, None]).to(tl.int64) * NT + rows[None, :]
-        tl.store(kk + p_g, KK)
-        tl.store(qk + p_g, QK)
-    else:
+    if vt < NV:
         o_v = vt * BV + tl.arange(0, BV)
         mv = o_v < V
         p_S = state + (b * HV + hv).to(tl.int64) * K * V + o_v[None, :]
@@ -124,21 +111,35 @@ def _products_kernel(
                     tl.store(p_S + o_k[:, None] * V, S, mask=m_S)
             KS = tl.dot(b_k, S, KS, input_precision=PREC)
             QS = tl.dot(b_q, S, QS, input_precision=PREC)
-        p_o = (part * NT + rows[:, None]).to(tl.int64) * V + o_v[None, :]
+        p_o = (((b * HV + hv) * NKS + s) * NT + rows[:, None]).to(tl.int64) * V + o_v[None, :]
         m_o = live[:, None] & mv[None, :]
         tl.store(ks + p_o, KS, mask=m_o)
         tl.store(qs + p_o, QS, mask=m_o)
+    elif hv % (HV // H) == 0:  # K Kᵀ, Q Kᵀ of the q/k head, formed by its first value head's extra tile
+        KK = tl.zeros([NT, NT], dtype=tl.float32)
+        QK = tl.zeros([NT, NT], dtype=tl.float32)
+        for k0 in range(s * KW, s * KW + KW, BKC):
+            o_k = k0 + tl.arange(0, BKC)
+            m = live[:, None] & (o_k < K)[None, :]
+            b_k = tl.load(p_k + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+            b_q = tl.load(p_q + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+            KK = tl.dot(b_k, tl.trans(b_k), KK, input_precision=PREC)
+            QK = tl.dot(b_q, tl.trans(b_k), QK, input_precision=PREC)
+        p_g = (((b * H + i_h) * NKS + s) * NT + rows[:, None]).to(tl.int64) * NT + rows[None, :]
+        tl.store(kk + p_g, KK)
+        tl.store(qk + p_g, QK)
 
 
 @triton.jit(do_not_specialize=["n"])
 def _solve_kernel(
     v, g, beta, o, u, mask, valid, ks, qs, kk, qk,
     scale, n, s_vb, s_vn,
-    HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, NKS: tl.constexpr,
+    H: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, NKS: tl.constexpr,
     NT: tl.constexpr, HAS_VALID: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b, hv, vt = pid // (HV * NV), (pid // NV) % HV, pid % NV
+    i_h = hv // (HV // H)
     rows = tl.arange(0, NT)
     n_real = n
     if HAS_VALID:
@@ -158,11 +159,10 @@ def _solve_kernel(
     KK = tl.zeros([NT, NT], dtype=tl.float32)
     QK = tl.zeros([NT, NT], dtype=tl.float32)
     for s in tl.static_range(NKS):
-        part = (b * HV + hv) * NKS + s
-        p_o = (part * NT + rows[:, None]).to(tl.int64) * V + o_v[None, :]
+        p_o = (((b * HV + hv) * NKS + s) * NT + rows[:, None]).to(tl.int64) * V + o_v[None, :]
         KS += tl.load(ks + p_o, mask=m_o, other=0.0)
         QS += tl.load(qs + p_o, mask=m_o, other=0.0)
-        p_g = (part * NT + rows[:, None]).to(tl.int64) * NT + rows[None, :]
+        p_g = (((b * H + i_h) * NKS + s) * NT + rows[:, None]).to(tl.int64) * NT + rows[None, :]
         KK += tl.load(kk + p_g)
         QK += tl.load(qk + p_g)
 
@@ -220,7 +220,7 @@ def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, valid
     q, k, v = _rows(q), _rows(k), _rows(v)
     f32 = dict(dtype=torch.float32, device=dev)
     ks, qs = torch.empty(B, HV, NKS, NT, V, **f32), torch.empty(B, HV, NKS, NT, V, **f32)
-    kk, qk = torch.empty(B, HV, NKS, NT, NT, **f32), torch.empty(B, HV, NKS, NT, NT, **f32)
+    kk, qk = torch.empty(B, H, NKS, NT, NT, **f32), torch.empty(B, H, NKS, NT, NT, **f32)
     pk, pg, pu, plen, P, PP, has_pending = pending_args(pending, dev)
     _products_kernel[(B * HV * (NV + 1), NKS)](
         q, k, state, pk, pg, pu, plen, ks, qs, kk, qk, n, P,
@@ -232,5 +232,5 @@ def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, valid
     _solve_kernel[(B * HV * NV,)](
         v, g.contiguous(), beta.contiguous(), o, u, mask, plen if valid is None else valid.contiguous(),
         ks, qs, kk, qk, scale, n, v.stride(0), v.stride(1),
-        HV=HV, V=V, BV=BV, NV=NV, NKS=NKS, NT=NT, HAS_VALID=valid is not None, num_warps=solve_warps)
+        H=H, HV=HV, V=V, BV=BV, NV=NV, NKS=NKS, NT=NT, HAS_VALID=valid is not None, num_warps=solve_warps)
     return o, u
