@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from specla import ops
+from specla.ops.beam.naive import first_max
 
 
 @dataclass
@@ -36,7 +37,7 @@ def _live(valid, B, n, device) -> torch.Tensor:
 def greedy(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor,
            valid: torch.Tensor | None = None) -> Acceptance:
     """Follow the child whose token is the target's argmax (lowest id on ties, as AR)."""
-    target = logits.argmax(-1)  # torch returns the first maximal index
+    target = first_max(logits)[1]
     path, length, last = ops.greedy_walk(tokens, parents, target, valid)
     rows = torch.arange(tokens.shape[0], device=tokens.device)
     return Acceptance(path, length, target[rows, last], target[:, 0])
@@ -139,7 +140,7 @@ def report(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor | No
         if valid is not None:
             real = real & (valid > 1)
         first = torch.where(real, tokens[:, 1], first)
-        top = acc.top if acc.top is not None else logits[:, 0].argmax(-1)
+        top = acc.top if acc.top is not None else first_max(logits[:, 0])[1]
     drafted = (valid if valid is not None else torch.full_like(count, n)) - 1
     head = [count, acc.length, first, top, drafted, done.long()]
     return torch.cat([torch.stack(head, 1), toks], 1)

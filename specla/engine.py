@@ -27,7 +27,8 @@ import torch
 from specla import acceptance, fused, graphs, ops
 from specla.drafters.base import pad_draft
 from specla.model import Model, ModelOutput
-from specla.state import Cache, GDNLayerState, store_pending
+from specla.ops.beam.naive import first_max
+from specla.state import Cache, GDNLayerState, commit_convs, store_pending
 
 # GraphTarget's prefill: a prompt shorter than SEQUENCE_FROM tokens goes as chains of
 # PREFILL_WIDTH tokens, each verified and committed in one graph replay; a longer one as plain
@@ -210,7 +211,7 @@ class EagerTarget:
     def _ar_settle(self, logits: torch.Tensor, sampling) -> torch.Tensor:
         root = self.next_root.clone()
         if sampling is None:
-            nxt = logits.argmax(-1)
+            nxt = first_max(logits)[1]
         else:
             temperature, top_p, generator = sampling
             nxt = torch.multinomial(acceptance.target_probs(logits, temperature, top_p), 1,
@@ -250,6 +251,7 @@ class GraphTarget(EagerTarget):
         self._accept, _ = fused.compile_for_graph(acceptance.greedy, fused.mode_of(model))
         self._settle_fn, _ = fused.compile_for_graph(settle, fused.mode_of(model))
         self.cache.gather, _ = fused.compile_for_graph(store_pending, fused.mode_of(model))
+        self.cache.commit_conv, _ = fused.compile_for_graph(commit_convs, fused.mode_of(model))
         if self.delayed:  # pending buffers exist from the start so the verify graph reads them
             self.cache.reserve_pending(batch, self.path_nodes, (model.cfg.num_heads, model.cfg.head_dim))
 

@@ -25,6 +25,24 @@ def test_top_k_is_topk_with_lowest_ids_first_on_ties(B, nb, V, k, seed):
     assert torch.equal(idx, order)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3), st.sampled_from([1, 600, 1024, 1025, 2048, 5000, 32000]), st.integers(2, 50),
+       st.booleans(), st.sampled_from([torch.float32, torch.bfloat16]), st.integers(0, 10**6))
+def test_first_max_is_torch_max(B, V, levels, neg_inf, dtype, seed):
+    """`first_max` (chunked) = torch's max: the value and the first maximal index, with ties
+    across chunks and rows of -inf."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, levels, (B, 2, V), generator=g).to(dtype)
+    if neg_inf:
+        x[0, 0] = float("-inf")  # masked out entirely: index 0, as torch
+        x[:, 1, : V // 2] = float("-inf")
+    v, i = beam_naive.first_max(x)
+    ref = x.max(-1)
+    assert torch.equal(v, ref.values)
+    first = (x == ref.values[..., None]).int().argmax(-1)  # the first index holding the max
+    assert torch.equal(i, first)
+
+
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(B=st.integers(1, 2), nb=st.integers(1, 5), V=st.sampled_from([4, 17, 1024, 1500, 2049, beam_triton.ROW_MAX + 3]),
        k=st.integers(1, 4),

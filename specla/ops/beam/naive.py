@@ -12,6 +12,26 @@ import torch
 from specla.precision import accumulation_dtype
 
 
+# Inductor reduces a row in one program, and an index reduction is never split: the drafter's
+# top-1 over 32k logits was one 6.5 µs program a draft step on the H200
+# (controlled_55d95ad_h200.json). In chunks it is two reductions, the first over many programs.
+MAX_CHUNK = 512
+
+
+def first_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x.max(-1): the largest value along the last dimension and its first index, taken over
+    chunks of MAX_CHUNK (each chunk's first maximum, then the first chunk holding the
+    largest), so a compiled region spreads a long row over many programs."""
+    V = x.shape[-1]
+    if V <= 2 * MAX_CHUNK:
+        return x.max(-1)
+    pad = -V % MAX_CHUNK
+    chunks = torch.nn.functional.pad(x, (0, pad), value=float("-inf")).unflatten(-1, (-1, MAX_CHUNK))
+    vals, idx = chunks.max(-1)
+    best, c = vals.max(-1)
+    return best, idx.gather(-1, c[..., None]).squeeze(-1) + c * MAX_CHUNK
+
+
 def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest entries of x along the last dimension, best first, the lowest index first
     among equal values (also at the cut, where `torch.topk` picks any), as k max-reductions:
@@ -19,7 +39,7 @@ def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     per call (~15-40 µs on an 8k vocabulary)."""
     vals, idx = [], []
     for j in range(k):
-        v, i = x.max(-1)  # the first maximal index
+        v, i = first_max(x)
         vals.append(v)
         idx.append(i)
         if j + 1 < k:
