@@ -251,7 +251,8 @@ class GraphTarget(EagerTarget):
         self._accept, _ = fused.compile_for_graph(acceptance.greedy, fused.mode_of(model))
         self._settle_fn, _ = fused.compile_for_graph(settle, fused.mode_of(model))
         self.cache.gather, _ = fused.compile_for_graph(store_pending, fused.mode_of(model))
-        self.cache.commit_conv, _ = fused.compile_for_graph(commit_convs, fused.mode_of(model))
+        if fused.mode_of(model) is not None:
+            self.cache.commit_conv, _ = fused.compile_for_graph(commit_convs, fused.mode_of(model))
         if self.delayed:  # pending buffers exist from the start so the verify graph reads them
             self.cache.reserve_pending(batch, self.path_nodes, (model.cfg.num_heads, model.cfg.head_dim))
 

@@ -168,8 +168,10 @@ class Cache:
     `gather`: the function that stores into it (`store_pending`; `GraphTarget` compiles it
     beside a fused target).
     `conv`: the GDN layers' conv states stacked [L, B, C, W-1] (each layer's `conv` a view of
-    it) when their shapes agree, so a commit advances them together (`commit_conv`:
-    `commit_convs`, or its compiled form beside a fused target); None otherwise.
+    it) when their shapes agree; `commit_conv`, when set (`GraphTarget` beside a fused target:
+    `commit_convs` compiled), advances them together. Otherwise each layer's is advanced by
+    its own kernel (eagerly, the stacked function's 24 gathers took twice as long as the 24
+    Triton launches on an H100).
     `clean`: host-side knowledge that no layer holds a pending update (the cache was just
     emptied or flushed), so `flush` launches nothing: a prefill after `Target.reset` would
     otherwise run three launches a layer to apply empty updates. Every delayed commit clears
@@ -185,7 +187,7 @@ class Cache:
         self.clean = False
         self.conv_layers = [i for i, s in enumerate(layers) if isinstance(s, GDNLayerState) and s.conv is not None]
         convs = [layers[i].conv for i in self.conv_layers]
-        self.conv, self.commit_conv = None, commit_convs
+        self.conv, self.commit_conv = None, None
         if len(convs) > 1 and len({(c.shape, c.dtype, c.device) for c in convs}) == 1:
             self.conv = torch.stack(convs)
             for i, c in zip(self.conv_layers, self.conv):
@@ -267,7 +269,7 @@ class Cache:
                     bank = None
             if bank is not None:
                 bank.store(records, path, length, chain, self.gather)
-        stacked = self.conv is not None
+        stacked = self.conv is not None and self.commit_conv is not None
         if stacked:
             self.commit_conv(self.conv, [records[i].x for i in self.conv_layers], path, length)
         for s, rec in zip(self.layers, records):
