@@ -286,8 +286,17 @@ def _make_head(eps, zc, gemv="cublas"):
     return head
 
 
+def _make_embed():
+    def embed(tokens, table):
+        """The token embeddings as a gather Inductor writes: eagerly a verify of a drafter
+        graph's 13 tokens (a strided view) took one 10.6 µs index_select on the H200
+        (controlled_55d95ad_h200.json)."""
+        return F.embedding(tokens, table)
+    return embed
+
+
 _MAKERS = {"factors": _make_factors, "seq_pre": _make_seq_pre, "tree_in": _make_tree_in,
-           "post": _make_post, "head": _make_head}
+           "post": _make_post, "head": _make_head, "embed": _make_embed}
 _COMPILED: dict = {}
 
 
@@ -410,6 +419,7 @@ class FusedModel:
                        for blk in model.layers]
         n = model.norm
         self.head = compile_fn("head", (n.eps, n.zero_centered, gemv), mode)
+        self.embed = compile_fn("embed", (), mode)
         self.shapes: set = set()
         self.compile = compile
 
@@ -438,11 +448,12 @@ class FusedModel:
         """forward (parents None: consume the tokens, advance the cache) or verify (`chain`:
         the topology is a chain, `Model.verify`)."""
         m = self.model
-        x, r = m.embeddings(tokens), None  # r: the last MLP output, not yet added to x
         if self.dynamic_tokens and tokens.shape[1] > 1:
             mark = functools.partial(mark_dynamic, 1)  # one graph for every verify or prefill size
         else:
             mark = lambda *ts: None  # noqa: E731
+        mark(tokens)
+        x, r = self.embed(tokens, m.embeddings.weight), None  # r: the last MLP output, not yet added to x
         hidden, records, want = {}, [], None  # want: the captured layer whose x is x + r
         # a verify folds every pending update; with the pending buffers stacked (a PendingBank)
         # their lengths are cleared by one kernel after the last layer, not one per layer
