@@ -117,12 +117,6 @@ def variants(H=8, HV=8, K=256, V=256):
                    dict(BM=BM, BN=BN, BK=BK, **{"NORM": False, "GLU": False, "RES": False, **flags}), warps)
         BM, BN, BK, warps = linear.fused_tiling(M, 256, 512)
         yield f"draft_inputs M={M}", linear._draft_inputs_kernel, dict(BM=BM, BN=BN, BD=BK // 2), warps
-    # one row longer than a tile (the 1.3B stand-in drafter's step): the fused K loop at its
-    # default tilings and the GEMV's measured ones
-    for flags in (dict(NORM=True), dict(RES=True), dict(NORM=True, GLU=True)):
-        for BN, BK, warps in dict.fromkeys(((4 if flags.get("GLU") else 8, 512, 4), (8, 1024, 8), (4, 512, 4))):
-            yield (f"gemv fused {'+'.join(flags)} BN={BN} BK={BK} w={warps}", linear._fused_gemv_kernel,
-                   dict(BN=BN, BK=BK, **{"NORM": False, "GLU": False, "RES": False, **flags}), warps)
     for BM, BN, BK, warps in linear.SKINNY_TILINGS:
         yield (f"gemv-skinny BM={BM} BN={BN} BK={BK} w={warps}", linear._skinny_kernel,
                dict(BM=BM, BN=BN, BK=BK, PREC="tf32"), warps)
