@@ -430,10 +430,7 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[to
         return linear_ref.fused(x, weight, norm_weight, eps, residual, glu)
     from specla.ops.linear import triton as linear_triton
 
-    kernel, tiling = LINEAR_TILINGS.get(("gemv", *weight.shape), (None, None))
-    if kernel != "gemv" or glu or x.shape[-1] <= linear_triton.FUSED_ONE_TILE:
-        tiling = {}  # a long row's K loop at the GEMV's measured tiling for this weight, where there is one
-    return linear_triton.fused(x, weight, norm_weight, eps, residual, glu, **tiling)
+    return linear_triton.fused(x, weight, norm_weight, eps, residual, glu)
 
 
 @fused_linear.register_fake

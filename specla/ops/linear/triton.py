@@ -237,11 +237,10 @@ def fused_tiling(M: int, N: int, K: int, glu: bool = False,
 
 def fused(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
           residual: torch.Tensor | None = None, glu: bool = False, *, block_n: int | None = None,
-          num_warps: int | None = None, block_k: int = 512) -> torch.Tensor:
+          num_warps: int | None = None) -> torch.Tensor:
     """Same contract as `naive.fused` for up to FUSED_MAX_ROWS rows, one launch: a draft step's
     matmuls with the RMS norm before them, SwiGLU's gate after, or the residual add (a launch
-    each in the drafter's compiled step). Multiply-adds as `rows` (no fp64). One row longer
-    than a tile runs the K loop in block_k-wide tiles."""
+    each in the drafter's compiled step). Multiply-adds as `rows` (no fp64)."""
     N, K = weight.shape
     if glu:
         if N % 2:
@@ -258,7 +257,7 @@ def fused(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | Non
         BN = block_n or (4 if glu else 8)  # GLU reads two weight rows an output
         _fused_gemv_kernel[(triton.cdiv(N, BN),)](
             x.contiguous(), x if norm_weight is None else norm_weight.contiguous(), weight.contiguous(),
-            y if residual is None else residual.contiguous(), y, N, K, eps, BN=BN, BK=block_k,
+            y if residual is None else residual.contiguous(), y, N, K, eps, BN=BN, BK=512,
             NORM=norm_weight is not None, GLU=glu, RES=residual is not None, num_warps=num_warps or 4)
         return y
     BM, BN, BK, warps = fused_tiling(M, N, K, glu, block_n)
