@@ -682,31 +682,3 @@ def test_fp32_attention_equals_sdpa(n):
     assert torch.allclose(out.double(), ref.transpose(1, 2).flatten(2), atol=1e-6)
     keys[:, :, 5], values[:, :, 5] = 1e4, 1e4  # a masked key and its value leave no trace
     assert torch.equal(ops.masked_attention(q, keys, values, mask, dm.scale), out)
-
-
-def test_a_wide_drafters_step_through_the_long_row_kernels(monkeypatch):
-    """At a width past one tile (the 1.3B stand-in's 2048) a one-row draft step takes the fused
-    kernels' K loop (`ops.fused_linear`) for its norms, matmuls, gate and adds, and computes
-    what its modules compute (fp32, to rounding)."""
-    from specla import ops
-
-    cfg = ModelConfig(vocab_size=40, hidden_size=1040, num_hidden_layers=1, intermediate_size=64, num_heads=2,
-                      num_v_heads=2, head_dim=8, head_v_dim=8)
-    torch.manual_seed(0)
-    dm = EagleDrafterModel(EagleConfig.for_target(cfg, intermediate_size=48, num_heads=2, head_dim=8)).eval()
-    head = torch.randn(cfg.vocab_size, cfg.hidden_size) / cfg.hidden_size ** 0.5
-    x, attn = torch.randn(1, 1, cfg.hidden_size), torch.randn(1, 1, 16)
-    gate_up = dm.mlp.gate_up_weight()
-
-    def step():
-        q, k, v = dm.qkv(x, None)
-        h = dm.finish(x, attn, gate_up)
-        return q, k, v, h, dm.logits(h, head)
-
-    with ops.backend("triton"), torch.no_grad():
-        assert ops.fuses_linear(x, dm.qkv_proj.weight) and ops.fuses_linear(attn, gate_up)
-        fused = step()
-        monkeypatch.setattr(ops, "DRAFT_FUSED", "torch")
-        modules = step()
-    for a, b in zip(fused, modules):
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)

@@ -144,7 +144,7 @@ class EagleDrafterModel(nn.Module):
         entry's feature the row src[b, i] of h [B, nb, D] (its parent beam's h), one launch
         where it can (`ops.draft_inputs`)."""
         D = h.shape[-1]
-        if ops.fuses_linear(h, self.fc.weight, tokens.numel(), inputs=True):
+        if ops.fuses_linear(h, self.fc.weight, tokens.numel()):
             return ops.draft_inputs(table, tokens, h, src, self.norm_emb.weight, self.norm_feat.weight,
                                     self.norm_emb.eps, self.fc.weight)
         return self.inputs(F.embedding(tokens, table), h.gather(1, src[..., None].expand(*src.shape, D)))

@@ -387,16 +387,15 @@ def _fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, weight)
 
 
-def _fused_rows(x: torch.Tensor, rows: int | None = None, width: int | None = None, loop: bool = True) -> bool:
+def _fused_rows(x: torch.Tensor, rows: int | None = None, width: int | None = None) -> bool:
     """Whether the fused kernels take x's rows (or `rows` entries of `width` values): Triton, not
-    fp64, at most FUSED_MAX_ROWS rows of at most FUSED_ONE_TILE values (one tile a row), or with
-    `loop` (`fused_linear`, not `draft_inputs`) one row of any length."""
+    fp64, at most FUSED_MAX_ROWS rows of at most FUSED_ONE_TILE values (one tile a row)."""
     from specla.ops.linear import triton as linear_triton
 
     rows = x.numel() // max(x.shape[-1], 1) if rows is None else rows
     width = x.shape[-1] if width is None else width
     return (use_triton(x) and x.dtype != torch.float64 and rows <= linear_triton.FUSED_MAX_ROWS
-            and (width <= linear_triton.FUSED_ONE_TILE or (loop and rows == 1)))
+            and width <= linear_triton.FUSED_ONE_TILE)
 
 
 # Above this many outputs, several rows stay on norm + cuBLAS: the demo's LM head (8192
@@ -405,15 +404,14 @@ def _fused_rows(x: torch.Tensor, rows: int | None = None, width: int | None = No
 FUSED_MAX_OUTPUTS_MULTIROW = 4096
 
 
-def fuses_linear(x: torch.Tensor, weight: torch.Tensor, rows: int | None = None, inputs: bool = False) -> bool:
-    """Whether a drafter should call `fused_linear` (or, with `inputs`, `draft_inputs`) for x
-    and weight: it runs x's rows (or `rows` entries) as one Triton launch, outside autograd,
-    unless SPECLA_DRAFT_FUSED=torch (else the caller composes its modules: training, fp64, CPU,
-    more rows than a draft step has, several rows longer than a tile, as a tree's at the 1.3B
-    stand-in's width, an input longer than a tile, a wide matmul of several rows)."""
+def fuses_linear(x: torch.Tensor, weight: torch.Tensor, rows: int | None = None) -> bool:
+    """Whether a drafter should call `fused_linear` (or `draft_inputs`) for x and weight: it
+    runs x's rows (or `rows` entries) as one Triton launch, outside autograd, unless
+    SPECLA_DRAFT_FUSED=torch (else the caller composes its modules: training, fp64, CPU, more
+    rows than a draft step has, rows longer than a tile, as the 1.3B stand-in's, a wide matmul of
+    several rows)."""
     rows = x.numel() // max(x.shape[-1], 1) if rows is None else rows
-    return (DRAFT_FUSED == "auto" and not torch.is_grad_enabled()
-            and _fused_rows(x, rows, weight.shape[1], loop=not inputs)
+    return (DRAFT_FUSED == "auto" and not torch.is_grad_enabled() and _fused_rows(x, rows, weight.shape[1])
             and (rows == 1 or weight.shape[0] <= FUSED_MAX_OUTPUTS_MULTIROW))
 
 
@@ -446,7 +444,7 @@ def draft_inputs(table: torch.Tensor, tokens: torch.Tensor, h: torch.Tensor, src
     and the entries are few (callers ask `fuses_linear` with fc's weight), the reference
     elsewhere. A custom op, so that inside the drafter's compiled rollout it stays one opaque
     call."""
-    if not _fused_rows(h, tokens.numel(), weight.shape[1], loop=False):
+    if not _fused_rows(h, tokens.numel(), weight.shape[1]):
         return linear_ref.draft_inputs(table, tokens, h, src, norm_emb, norm_feat, eps, weight)
     from specla.ops.linear import triton as linear_triton
 

@@ -208,29 +208,6 @@ def test_fused_matches_reference(M, N, K, norm, glu, res, dtype, block_n, seed):
         assert (~close).sum() <= max(2, 0.05 * close.numel())
 
 
-@settings(max_examples=24, deadline=None, derandomize=True)
-@given(N=st.sampled_from([1, 5, 37, 130]), K=st.sampled_from([1025, 1040, 2048, 2100]), norm=st.booleans(),
-       glu=st.booleans(), res=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       block_n=st.sampled_from([None, 2]), seed=st.integers(0, 2**16))
-def test_fused_one_long_row_matches_reference(N, K, norm, glu, res, dtype, block_n, seed):
-    """One row longer than a tile (the 1.3B stand-in drafter's step: the K loop of
-    `_fused_gemv_kernel`, ragged last tiles included) equals the reference composition as
-    `test_fused_matches_reference` checks the one-tile kernel."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(1, 1, K, generator=g).to(dtype)
-    w = (torch.randn(2 * N if glu else N, K, generator=g) / K ** 0.5).to(dtype)
-    nw = (1 + 0.1 * torch.randn(K, generator=g)).to(dtype) if norm else None
-    r = torch.randn(1, 1, N, generator=g).to(dtype) if res else None
-    out = linear_triton.fused(x, w, nw, 1e-6, r, glu, block_n=block_n)
-    ref = naive.fused(x, w, nw, 1e-6, r, glu)
-    assert out.shape == ref.shape == (1, 1, N) and out.dtype == dtype
-    err = ((out.double() - ref.double()).abs().max() / ref.double().abs().max().clamp(min=1)).item()
-    assert err < (1e-5 if dtype == torch.float32 else 5e-2)
-    if dtype == torch.bfloat16:
-        close = (out.double() - ref.double()).abs() <= 2 ** -6 * ref.double().abs() + 1e-2
-        assert (~close).sum() <= max(2, 0.05 * close.numel())
-
-
 @settings(max_examples=20, deadline=None, derandomize=True)
 @given(B=st.sampled_from([1, 2]), n=st.sampled_from([1, 3, 4]), nb=st.sampled_from([1, 4]),
        D=st.sampled_from([16, 48, 256]), N=st.sampled_from([7, 64, 256]),
@@ -257,7 +234,7 @@ def test_fused_rejects_bad_shapes():
     with pytest.raises(ValueError, match="rows"):
         linear_triton.fused(torch.randn(17, 32), torch.randn(8, 32))
     with pytest.raises(ValueError, match="at most 1024 values"):
-        linear_triton.fused(torch.randn(2, 1100), torch.randn(8, 1100))
+        linear_triton.fused(torch.randn(1, 1100), torch.randn(8, 1100))
     with pytest.raises(ValueError, match="even"):
         linear_triton.fused(x, torch.randn(7, 32), glu=True)
     with pytest.raises(ValueError, match="residual"):
@@ -325,10 +302,9 @@ def test_fused_op_keeps_rows_longer_than_a_tile_on_the_reference():
 
 
 def test_fuses_linear_only_where_measured(monkeypatch):
-    """The drafter takes the fused kernels for few rows of one tile or one row of any length,
-    outside autograd, on Triton; a wide LM head of several rows, several rows longer than a
-    tile, a draft input longer than a tile, training and SPECLA_DRAFT_FUSED=torch keep the
-    modules."""
+    """The drafter takes the fused kernels for few rows of one tile, outside autograd, on
+    Triton; a wide LM head of several rows, rows longer than a tile (never timed on the GPU),
+    training and SPECLA_DRAFT_FUSED=torch keep the modules."""
     from specla import ops
 
     x1, x4 = torch.randn(1, 1, 256), torch.randn(1, 4, 256)
@@ -337,9 +313,7 @@ def test_fuses_linear_only_where_measured(monkeypatch):
     with ops.backend("triton"), torch.no_grad():
         assert ops.fuses_linear(x1, qkv) and ops.fuses_linear(x4, qkv) and ops.fuses_linear(x1, head)
         assert not ops.fuses_linear(x4, head)
-        assert ops.fuses_linear(torch.randn(1, 1, 2048), wide)  # one long row: the K loop
-        assert not ops.fuses_linear(torch.randn(1, 2, 2048), wide)
-        assert not ops.fuses_linear(torch.randn(1, 1, 1024), torch.randn(256, 2048), rows=1, inputs=True)
+        assert not ops.fuses_linear(torch.randn(1, 1, 2048), wide)
         assert not ops.fuses_linear(torch.randn(1, 17, 256), qkv)
         assert not ops.fuses_linear(x1.double(), qkv.double())
         monkeypatch.setattr(ops, "DRAFT_FUSED", "torch")

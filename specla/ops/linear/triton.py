@@ -136,7 +136,7 @@ def rows(x: torch.Tensor, weight: torch.Tensor, *, num_warps: int = 4) -> torch.
 
 
 FUSED_MAX_ROWS = 16
-FUSED_ONE_TILE = 1024  # the fused kernels read a row as one tile: rows up to this long (one longer row: a K loop)
+FUSED_ONE_TILE = 1024  # the fused kernels read a row as one tile: rows up to this long
 # Outputs a program: about one per FUSED_SPREAD outputs (~3 programs an SM of the H200's 132), at
 # most 8, on one warp per 2048 products. `diagnostics/fused_linear.py` on the H200
 # (fused_linear_adcfc79.json: the demo drafter's five matmuls at 1 and 4 rows, 1-32 outputs a
@@ -185,46 +185,6 @@ def _fused_kernel(x, norm_w, weight, res, y, n_rows, n_out, n_in, eps, BM: tl.co
     tl.store(y + rows[:, None] * n_out + outs[None, :], out.to(y.dtype.element_ty), mask=m)
 
 
-@triton.jit
-def _fused_gemv_kernel(x, norm_w, weight, res, y, n_out, n_in, eps, BN: tl.constexpr, BK: tl.constexpr,
-                       NORM: tl.constexpr, GLU: tl.constexpr, RES: tl.constexpr):
-    """`_fused_kernel` for one row longer than a tile: the GEMV's loop over K (`_gemv_kernel`,
-    x read in the tile's layout), after a first pass over x for its mean square when NORM."""
-    outs = tl.program_id(0) * BN + tl.arange(0, BN)
-    cols = tl.arange(0, BK)
-    mo = outs < n_out
-    p_x = x + outs[:, None] * 0 + cols[None, :]
-    p_g = norm_w + outs[:, None] * 0 + cols[None, :]
-    p_w = weight + outs[:, None].to(tl.int64) * n_in + cols[None, :]
-    rstd = tl.full([BN], 1.0, dtype=tl.float32)
-    if NORM:  # every program takes the row's mean square itself: the row is short and in L2
-        ss = tl.zeros([BN, BK], dtype=tl.float32)
-        for k0 in range(0, n_in, BK):
-            xv = tl.load(p_x + k0, mask=mo[:, None] & (k0 + cols < n_in)[None, :], other=0.0).to(tl.float32)
-            ss += xv * xv
-        rstd = tl.rsqrt(tl.sum(ss, 1) / n_in + eps)
-    acc = tl.zeros([BN, BK], dtype=tl.float32)
-    acc_u = tl.zeros([BN, BK], dtype=tl.float32)
-    for k0 in range(0, n_in, BK):
-        m = mo[:, None] & (k0 + cols < n_in)[None, :]
-        xv = tl.load(p_x + k0, mask=m, other=0.0).to(tl.float32)
-        if NORM:  # rounded as the norm module's output is
-            g = tl.load(p_g + k0, mask=m, other=0.0).to(tl.float32)
-            xv = (xv * rstd[:, None] * g).to(x.dtype.element_ty).to(tl.float32)
-        acc += tl.load(p_w + k0, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32) * xv
-        if GLU:  # up's row n is weight row n_out + n
-            acc_u += tl.load(p_w + n_out * n_in + k0, mask=m, other=0.0,
-                             eviction_policy="evict_first").to(tl.float32) * xv
-    out = tl.sum(acc, 1)
-    if GLU:
-        gate = out.to(y.dtype.element_ty).to(tl.float32)
-        up = tl.sum(acc_u, 1).to(y.dtype.element_ty).to(tl.float32)
-        out = (gate * tl.sigmoid(gate)).to(y.dtype.element_ty).to(tl.float32) * up
-    if RES:
-        out = out.to(y.dtype.element_ty).to(tl.float32) + tl.load(res + outs, mask=mo, other=0.0).to(tl.float32)
-    tl.store(y + outs, out.to(y.dtype.element_ty), mask=mo)
-
-
 def fused_tiling(M: int, N: int, K: int, glu: bool = False,
                  block_n: int | None = None) -> tuple[int, int, int, int]:
     """(BM, BN, BK, warps) of `_fused_kernel` for M rows, N outputs, rows of K (the whole row:
@@ -247,19 +207,12 @@ def fused(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | Non
             raise ValueError(f"a GLU weight stacks gate and up: an even row count, got {N}")
         N //= 2
     M = x.numel() // K if x.shape[-1] == K else -1
-    if not 1 <= M <= FUSED_MAX_ROWS or (K > FUSED_ONE_TILE and M > 1):
-        raise ValueError(f"fused takes 1-{FUSED_MAX_ROWS} rows of at most {FUSED_ONE_TILE} values, or one row "
-                         f"of any length, got x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+    if not 1 <= M <= FUSED_MAX_ROWS or K > FUSED_ONE_TILE:
+        raise ValueError(f"fused takes 1-{FUSED_MAX_ROWS} rows of at most {FUSED_ONE_TILE} values, got x "
+                         f"{tuple(x.shape)}, weight {tuple(weight.shape)}")
     if residual is not None and residual.shape != (*x.shape[:-1], N):
         raise ValueError(f"the residual must be {(*x.shape[:-1], N)}, got {tuple(residual.shape)}")
     y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
-    if K > FUSED_ONE_TILE:  # one long row (the 1.3B stand-in drafter's step): the GEMV's K loop
-        BN = block_n or (4 if glu else 8)  # GLU reads two weight rows an output
-        _fused_gemv_kernel[(triton.cdiv(N, BN),)](
-            x.contiguous(), x if norm_weight is None else norm_weight.contiguous(), weight.contiguous(),
-            y if residual is None else residual.contiguous(), y, N, K, eps, BN=BN, BK=512,
-            NORM=norm_weight is not None, GLU=glu, RES=residual is not None, num_warps=num_warps or 4)
-        return y
     BM, BN, BK, warps = fused_tiling(M, N, K, glu, block_n)
     x = x.contiguous()
     _fused_kernel[(triton.cdiv(N, BN),)](
