@@ -241,6 +241,8 @@ def bench_decode(
                                  "per shape (kernels per step, GPU time, top kernels; plain and fused)."),
     gemv: str = typer.Option("cublas", help="Fused path only: comma-separated ways to run the steps' and "
                              "verifies' matmuls (cublas | triton), one row per shape and way, same run."),
+    name: Optional[str] = typer.Option(None, help="Result file stem (default decode, decode_fused on the "
+                                       "fused path)."),
     out: Path = typer.Option(Path("benchmarks/results")),
 ):
     """AR ms/token (eager and CUDA graphs) and one 16-node speculative round, at named shapes (GPU)."""
@@ -248,7 +250,7 @@ def bench_decode(
     from specla.bench.decode import run
 
     run(tuple(s for s in shapes.split(",") if s), new_tokens=new_tokens, rounds=rounds, out_dir=out,
-        profile=profile, device=device, gemvs=tuple(g for g in gemv.split(",") if g))
+        profile=profile, device=device, gemvs=tuple(g for g in gemv.split(",") if g), name=name)
 
 
 @bench_app.command("gemv")

@@ -217,9 +217,10 @@ def _print_profiles(rows) -> None:
 
 def run(shapes=("gdn-1.3b-paper", "gdn-1.3b-paper-hybrid"), new_tokens: int = 64, prompt_len: int = 256,
         rounds: int = 50, out_dir=RESULTS, quick: bool = False, profile: bool = False,
-        device: str = "cuda", gemvs=("cublas",)) -> dict:
+        device: str = "cuda", gemvs=("cublas",), name: str | None = None) -> dict:
     """`gemvs`: with the fused path (SPECLA_COMPILE), one row per shape and way of running the
-    AR step's single-row matmuls (`fused.GEMVS`), timed in this run."""
+    AR step's single-row matmuls (`fused.GEMVS`), timed in this run. `name`: the result file
+    stem (default decode, or decode_fused on the fused path)."""
     from specla.fused import GEMVS, env_mode
 
     mode = env_mode()
@@ -232,7 +233,7 @@ def run(shapes=("gdn-1.3b-paper", "gdn-1.3b-paper-hybrid"), new_tokens: int = 64
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     with torch.cuda.device(dev):  # copy_bandwidth, streams, Triton launches: the chosen GPU
-        return _run(shapes, new_tokens, prompt_len, rounds, out_dir, quick, profile, dev, tuple(gemvs), mode)
+        return _run(shapes, new_tokens, prompt_len, rounds, out_dir, quick, profile, dev, tuple(gemvs), mode, name)
 
 
 @torch.no_grad()
@@ -263,7 +264,7 @@ def _fused_vs_plain(model, prompt, parents) -> dict:
     return res
 
 
-def _run(shapes, new_tokens, prompt_len, rounds, out_dir, quick, profile, dev, gemvs, mode) -> dict:
+def _run(shapes, new_tokens, prompt_len, rounds, out_dir, quick, profile, dev, gemvs, mode, name) -> dict:
     """`mode`: the fused path's (`SPECLA_COMPILE`), or None for the plain path."""
     from rich.console import Console
     from rich.table import Table
@@ -334,7 +335,7 @@ def _run(shapes, new_tokens, prompt_len, rounds, out_dir, quick, profile, dev, g
     console.print(table)
     result = {"copy_bandwidth_GBps": bw / 1e9, "new_tokens": new_tokens, "prompt_len": prompt_len,
               "cuda_device": str(dev), "rows": rows}  # "device" is the GPU's name (write_results)
-    name = "decode_fused" if mode else "decode"
+    name = name or ("decode_fused" if mode else "decode")
     write_results(name, result, out_dir)
     plot(result, Path(out_dir) / f"{name}.png")
     for line in _check_lines(rows):
