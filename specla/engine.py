@@ -248,11 +248,12 @@ class GraphTarget(EagerTarget):
         self._prefill_buffers: dict = {}  # (mode, width) -> tokens, valid (+ a chain's parents, path)
         # greedy acceptance walks the nodes one by one (~8 small ops per node) and settling a
         # round is ~40 more; beside a fused model both are compiled: a few kernels per graph
-        self._accept, _ = fused.compile_for_graph(acceptance.greedy, fused.mode_of(model))
-        self._settle_fn, _ = fused.compile_for_graph(settle, fused.mode_of(model))
-        self.cache.gather, _ = fused.compile_for_graph(store_pending, fused.mode_of(model))
-        if fused.mode_of(model) is not None:
-            self.cache.commit_conv, _ = fused.compile_for_graph(commit_convs, fused.mode_of(model))
+        mode = fused.mode_of(model)
+        self._accept, _ = fused.compile_for_graph(acceptance.greedy, mode)
+        self._settle_fn, _ = fused.compile_for_graph(settle, mode)
+        self.cache.gather, _ = fused.compile_for_graph(store_pending, mode)
+        if mode is not None:  # uncompiled, the stacked commit is slower than the per-layer kernel
+            self.cache.commit_conv, _ = fused.compile_for_graph(commit_convs, mode)
         if self.delayed:  # pending buffers exist from the start so the verify graph reads them
             self.cache.reserve_pending(batch, self.path_nodes, (model.cfg.num_heads, model.cfg.head_dim))
 

@@ -269,12 +269,12 @@ class Cache:
                     bank = None
             if bank is not None:
                 bank.store(records, path, length, chain, self.gather)
-        stacked = self.conv is not None and self.commit_conv is not None
-        if stacked:
+        together = self.conv is not None and self.commit_conv is not None
+        if together:
             self.commit_conv(self.conv, [records[i].x for i in self.conv_layers], path, length)
         for s, rec in zip(self.layers, records):
             if isinstance(s, GDNLayerState):
-                if s.conv is not None and not stacked:
+                if s.conv is not None and not together:
                     ops.conv_commit(s.conv, rec.x, path, length)
                 if delayed:
                     if bank is None:
