@@ -45,6 +45,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variant", action="append", default=[], help="NAME=FILE: a copy of ops/gdn/parallel.py")
     ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--no-sweep", action="store_true", help="time the installed module at its shipped tiling only")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -60,7 +61,7 @@ def main(argv=None) -> int:
         S0 = layers[0][5].clone()  # the timing loops advance the states in place (the pending flush)
         NT = parallel.padded_nodes(n)
         runs = [("current", parallel, {"tiling": t}, t)
-                for t in [parallel.TILINGS[NT]] + (SPLIT_TILINGS[NT] if cuda else [])]
+                for t in [parallel.TILINGS[NT]] + (SPLIT_TILINGS[NT] if cuda and not a.no_sweep else [])]
         runs += [(name, mod, {}, "default") for name, mod in variants.items()]
         for pname, pend in (("pending5of9", b.pending(9, 5, 1)), ("none", None)):
             q, k, v, g, beta, _ = layers[0]
