@@ -38,10 +38,8 @@ SERIAL_SRC = ROOT / "specla/ops/gdn/serial.py"
 PARALLEL_EDITS = {
     "full": [],
     "no_jacobi": [("for _ in range(1, depth):", "for _ in range(1, 1):")],
-    "no_kk_qk": [("            KK = tl.dot(b_k, tl.trans(b_k), KK, input_precision=PREC)\n"
-                  "            QK = tl.dot(b_q, tl.trans(b_k), QK, input_precision=PREC)\n", "")],
-    "no_ks_qs": [("            KS = tl.dot(b_k, S, KS, input_precision=PREC)\n"
-                  "            QS = tl.dot(b_q, S, QS, input_precision=PREC)\n", "")],
+    "no_kk_qk": [("            KQK = tl.dot(b_kq, tl.trans(b_k), KQK, input_precision=PREC)\n", "")],
+    "no_ks_qs": [("            KQS = tl.dot(b_kq, S, KQS, input_precision=PREC)\n", "")],
     "no_flush_store": [("                if flush:\n                    tl.store(p_S + o_k[:, None] * V, S, mask=m_S)\n", "")],
 }
 

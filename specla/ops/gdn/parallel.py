@@ -10,8 +10,9 @@ log Γ = M̄ g and D_{ji} = Γ_j / Γ_i:
 
 Two launches. `_products_kernel` forms the K-long products, split over K: a program per
 (row, value head, V-tile, K stretch) multiplies its stretch of the state tile by the nodes'
-keys and queries (K S₀, Q S₀), and one more program per (row, q/k head, K stretch) forms
-that stretch's K Kᵀ and Q Kᵀ; each writes its partial sums. `_solve_kernel`, a program per
+keys and queries stacked into one operand ([K; Q] S₀: one product of 2·NT rows, so from NT = 32
+a warpgroup's), and one more program per (row, q/k head, K stretch) forms that stretch's
+[K; Q] Kᵀ; each writes its partial sums. `_solve_kernel`, a program per
 (row, value head, V-tile), sums the partials and does the rest for all n nodes. The state
 enters through tensor-core products (accumulated over K blocks), so a node costs no pass over
 the tile of its own, unlike the serial verifier, whose recurrence is one latency-bound step per
@@ -19,7 +20,10 @@ node. Until 2026-12-06 this was one launch, a program per V-tile looping over th
 and forming K Kᵀ and Q Kᵀ for itself (each of a head's V-tiles alike), with one warp per
 multiprocessor partition to issue the loop's chain of dependent products; split, on an H100,
 a 17-node tree with a pending update went from 17.5 to 13.0 µs a layer and a 33-node one from
-28.2 to 25.4 (`benchmarks/diagnostics/parallel_split.py`, parallel_split_*_h100.json).
+28.2 to 25.4 (`benchmarks/diagnostics/parallel_split.py`, parallel_split_*_h100.json). Stacking
+K and Q (2026-12-06, H200, parallel_split_stacked_a147b95_h200.json) took a 13-node tree with a
+pending update from 13.7 to 12.0 µs a layer, a 17-node one from 12.8 to 12.7, a 33-node one from
+25.4 to 24.5: the products kernel issues ~17% fewer instructions (ncu) for the same work.
 
 The solve is Jacobi's iteration U ← R − A U from U = R: A has a non-zero (j, i) only where i
 is a strict ancestor of j, so after t steps every node at depth ≤ t + 1 holds its final row,
@@ -68,14 +72,16 @@ def _products_kernel(
     NT: tl.constexpr, PD: tl.constexpr, HAS_PENDING: tl.constexpr, PREC: tl.constexpr,
 ):
     # axis 0: (row, value head, V-tile), with one more "tile" a value head for K Kᵀ and Q Kᵀ (idle
-    # but for a group's first value head under GVA); axis 1: K stretch
+    # but for a group's first value head under GVA); axis 1: K stretch. Keys and queries are
+    # one [2 NT, BKC] operand (rows NT.. the queries): one product of M = 2 NT a block, not two
     pid, s = tl.program_id(0), tl.program_id(1)
     b, hv, vt = pid // (HV * (NV + 1)), (pid // (NV + 1)) % HV, pid % (NV + 1)
     i_h = hv // (HV // H)
-    rows = tl.arange(0, NT)
-    live = rows < n
-    p_q = q + b.to(tl.int64) * s_qb + i_h * K + rows[:, None] * s_qn
-    p_k = k + b.to(tl.int64) * s_kb + i_h * K + rows[:, None] * s_kn
+    r2 = tl.arange(0, 2 * NT)
+    isq = r2 >= NT
+    rr = tl.where(isq, r2 - NT, r2)
+    live2 = rr < n
+    p_kq = tl.where(isq, q + b.to(tl.int64) * s_qb + rr * s_qn, k + b.to(tl.int64) * s_kb + rr * s_kn) + i_h * K
     if vt < NV:
         o_v = vt * BV + tl.arange(0, BV)
         mv = o_v < V
@@ -93,13 +99,11 @@ def _products_kernel(
                                       mask=livep[:, None] & mv[None, :], other=0.0).to(tl.float32)
             Gam_P = tl.exp(g_all)
             flush = n_live > 0  # an empty pending buffer leaves the state as it is
-        KS = tl.zeros([NT, BV], dtype=tl.float32)
-        QS = tl.zeros([NT, BV], dtype=tl.float32)
+        KQS = tl.zeros([2 * NT, BV], dtype=tl.float32)
         for k0 in range(s * KW, s * KW + KW, BKC):
             o_k = k0 + tl.arange(0, BKC)
             mk = o_k < K
-            b_k = tl.load(p_k + o_k[None, :], mask=live[:, None] & mk[None, :], other=0.0).to(tl.float32)
-            b_q = tl.load(p_q + o_k[None, :], mask=live[:, None] & mk[None, :], other=0.0).to(tl.float32)
+            b_kq = tl.load(p_kq[:, None] + o_k[None, :], mask=live2[:, None] & mk[None, :], other=0.0).to(tl.float32)
             m_S = mk[:, None] & mv[None, :]
             S = tl.load(p_S + o_k[:, None] * V, mask=m_S, other=0.0)
             if HAS_PENDING:
@@ -109,25 +113,24 @@ def _products_kernel(
                 S = Gam_P * S + tl.dot(Kp, WU, input_precision=PREC)
                 if flush:
                     tl.store(p_S + o_k[:, None] * V, S, mask=m_S)
-            KS = tl.dot(b_k, S, KS, input_precision=PREC)
-            QS = tl.dot(b_q, S, QS, input_precision=PREC)
-        p_o = (((b * HV + hv) * NKS + s) * NT + rows[:, None]).to(tl.int64) * V + o_v[None, :]
-        m_o = live[:, None] & mv[None, :]
-        tl.store(ks + p_o, KS, mask=m_o)
-        tl.store(qs + p_o, QS, mask=m_o)
-    elif hv % (HV // H) == 0:  # K Kᵀ, Q Kᵀ of the q/k head, formed by its first value head's extra tile
-        KK = tl.zeros([NT, NT], dtype=tl.float32)
-        QK = tl.zeros([NT, NT], dtype=tl.float32)
+            KQS = tl.dot(b_kq, S, KQS, input_precision=PREC)
+        p_o = tl.where(isq, qs, ks)[:, None] + ((((b * HV + hv) * NKS + s) * NT + rr).to(tl.int64) * V)[:, None] \
+            + o_v[None, :]
+        tl.store(p_o, KQS, mask=live2[:, None] & mv[None, :])
+    elif hv % (HV // H) == 0:  # K Kᵀ and Q Kᵀ of the q/k head, formed by its first value head's extra tile
+        rows = tl.arange(0, NT)
+        live = rows < n
+        p_k = k + b.to(tl.int64) * s_kb + i_h * K + rows[:, None] * s_kn
+        KQK = tl.zeros([2 * NT, NT], dtype=tl.float32)
         for k0 in range(s * KW, s * KW + KW, BKC):
             o_k = k0 + tl.arange(0, BKC)
-            m = live[:, None] & (o_k < K)[None, :]
-            b_k = tl.load(p_k + o_k[None, :], mask=m, other=0.0).to(tl.float32)
-            b_q = tl.load(p_q + o_k[None, :], mask=m, other=0.0).to(tl.float32)
-            KK = tl.dot(b_k, tl.trans(b_k), KK, input_precision=PREC)
-            QK = tl.dot(b_q, tl.trans(b_k), QK, input_precision=PREC)
-        p_g = (((b * H + i_h) * NKS + s) * NT + rows[:, None]).to(tl.int64) * NT + rows[None, :]
-        tl.store(kk + p_g, KK)
-        tl.store(qk + p_g, QK)
+            mk = o_k < K
+            b_kq = tl.load(p_kq[:, None] + o_k[None, :], mask=live2[:, None] & mk[None, :], other=0.0).to(tl.float32)
+            b_k = tl.load(p_k + o_k[None, :], mask=live[:, None] & mk[None, :], other=0.0).to(tl.float32)
+            KQK = tl.dot(b_kq, tl.trans(b_k), KQK, input_precision=PREC)
+        p_g = tl.where(isq, qk, kk)[:, None] + ((((b * H + i_h) * NKS + s) * NT + rr).to(tl.int64) * NT)[:, None] \
+            + rows[None, :]
+        tl.store(p_g, KQK)
 
 
 @triton.jit(do_not_specialize=["n"])
@@ -185,12 +188,13 @@ def _solve_kernel(
 
 
 # NT -> (BV, KW, BKC, products' warps, solve's warps): KW, the K columns a products program
-# takes (a multiple of BKC, its block); the fastest of parallel_split.py's sweep on an H100 with a
-# pending update (NT = 16: the only spill-free one timed, 5% behind the fastest on a 13-node
-# chain, which spills), and spill-free at the paper shape (`python -m specla.ops.aot_check`)
-TILINGS = {16: (16, 32, 32, 4, 4), 32: (32, 64, 32, 2, 4), 64: (16, 64, 32, 4, 8)}
+# takes (a multiple of BKC, its block); the fastest of parallel_split.py's sweeps with a pending
+# update (NT = 16 and 32: the H200's, stacked operands, one 64-column block a program; NT = 64:
+# the H100's before stacking, with half the K columns: stacked, 64 would spill), and spill-free at
+# the paper shape (`python -m specla.ops.aot_check`)
+TILINGS = {16: (32, 64, 64, 4, 4), 32: (32, 64, 64, 4, 4), 64: (16, 32, 32, 4, 8)}
 # (NT, tiling): what `bench kernels` times besides them (and aot_check compiles)
-SWEEP = ((32, (16, 64, 32, 4, 4)), (32, (32, 64, 32, 4, 4)), (32, (16, 64, 32, 2, 4)), (64, (16, 32, 32, 4, 8)))
+SWEEP = ((16, (16, 32, 32, 4, 4)), (32, (32, 64, 32, 4, 4)), (32, (16, 64, 64, 4, 4)), (64, (16, 64, 32, 8, 8)))
 MAX_NODES = 64
 
 
