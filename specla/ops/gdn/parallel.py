@@ -21,9 +21,10 @@ and forming K Kᵀ and Q Kᵀ for itself (each of a head's V-tiles alike), with 
 multiprocessor partition to issue the loop's chain of dependent products; split, on an H100,
 a 17-node tree with a pending update went from 17.5 to 13.0 µs a layer and a 33-node one from
 28.2 to 25.4 (`benchmarks/diagnostics/parallel_split.py`, parallel_split_*_h100.json). Stacking
-K and Q (2026-12-06, H200, parallel_split_stacked_a147b95_h200.json) took a 13-node tree with a
-pending update from 13.7 to 12.0 µs a layer, a 17-node one from 12.8 to 12.7, a 33-node one from
-25.4 to 24.5: the products kernel issues ~17% fewer instructions (ncu) for the same work.
+K and Q (2026-12-06, parallel_split_stacked_a147b95_h200.json, ..._07cc048_h100.json) took a
+13-node tree with a pending update from 13.7 to 12.0 µs a layer on the H200 (13.6 to 12.3 on an
+H100), a 17-node one from 12.8 to 12.7 (13.0 to 12.5), a 33-node one from 25.4 to 24.5 (25.4 to
+24.9): the products kernel issues ~17% fewer instructions (ncu) for the same work.
 
 The solve is Jacobi's iteration U ← R − A U from U = R: A has a non-zero (j, i) only where i
 is a strict ancestor of j, so after t steps every node at depth ≤ t + 1 holds its final row,
