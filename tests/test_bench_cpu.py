@@ -434,6 +434,34 @@ def test_e2e_summary_counts_generations_that_captured_inside_their_timing():
     assert e2e._summarise(records, "chain")["timed_captures"] == 0
 
 
+def test_graph_timeline_summarises_busy_time_and_gaps():
+    """graph_timeline.py's per-step sums: launches, kernel time, and idle time before each
+    kernel but the step's first (overlapping kernels leave no gap), averaged over steps."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks/diagnostics/graph_timeline.py"
+    spec = importlib.util.spec_from_file_location("graph_timeline", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.kind("nvjet_sm90_tst_64x8_64x16_2x1_v_bz_TNT") == "gemm"
+    assert mod.kind("_products_kernel") == "verify"
+    assert mod.kind("_tree_prelude_kernel") == "prelude"
+    assert mod.kind("triton_red_fused_add_mean_0") == "inductor"
+    assert mod.kind("Memcpy DtoH (Device -> Pageable)") == "torch_other"
+    # (name, start µs, duration µs): step 1 has a 2 µs gap, then an overlapping kernel; step 2 none
+    steps = [[("a", 0.0, 5.0), ("_solve_kernel", 7.0, 3.0), ("a", 8.0, 4.0)],
+             [("a", 100.0, 5.0), ("_solve_kernel", 105.0, 5.0)]]
+    r = mod.summarise(steps)
+    assert r["steps"] == 2 and r["launches"] == 2.5
+    assert math.isclose(r["busy_us"], (12.0 + 10.0) / 2) and math.isclose(r["gap_us"], 2.0 / 2)
+    by = {k["name"]: k for k in r["kernels"]}
+    assert by["a"]["launches"] == 1.5 and math.isclose(by["a"]["busy_us"], 7.0)
+    assert math.isclose(by["_solve_kernel"]["gap_us"], 1.0) and by["_solve_kernel"]["class"] == "verify"
+    assert math.isclose(r["classes"]["verify"]["busy_us"], 4.0)
+    assert r["span_us_median"] == 12.0  # the larger of the two spans (12 and 10): sorted()[n // 2]
+
+
 def test_verify_parts_edits_still_match_the_kernel():
     """The diagnostic's variants are textual edits of parallel.py: each must still apply."""
     import importlib.util
