@@ -334,6 +334,24 @@ def test_compiled_greedy_acceptance_equals_eager():
 
 
 @needs_cxx
+def test_compiled_top1_equals_torch_max():
+    """`GraphTarget` compiles an AR step's top-1 (`first_max`) beside a fused model: the same
+    value and first index as torch's max over vocabularies of one chunk and of many, with ties
+    across chunks, in fp32 and bf16."""
+    from specla import fused
+    from specla.ops.beam.naive import first_max
+
+    top1, _ = fused.compile_for_graph(first_max, "default")
+    g = torch.Generator().manual_seed(2)
+    for V in (37, 1500):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randint(0, 4, (3, V), generator=g).to(dtype)  # ties everywhere
+            x[1, -1] = 9  # the maximum in the last chunk
+            want, got = x.max(-1), top1(x)
+            assert torch.equal(want.values, got[0]) and torch.equal(want.indices, got[1])
+
+
+@needs_cxx
 def test_compiled_settle_equals_eager():
     """`GraphTarget` compiles a round's settling beside a fused model: the same path tokens,
     hidden states, counts, report and buffer updates as eager, with EOS hits, budgets running
