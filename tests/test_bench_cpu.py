@@ -434,6 +434,31 @@ def test_e2e_summary_counts_generations_that_captured_inside_their_timing():
     assert e2e._summarise(records, "chain")["timed_captures"] == 0
 
 
+def test_git_commit_marks_a_tree_that_differs_from_head(tmp_path, monkeypatch):
+    """Results name the code they ran: HEAD, "-dirty" when tracked files were changed."""
+    import shutil
+    import subprocess
+
+    from specla.bench.common import git_commit
+
+    if shutil.which("git") is None:
+        pytest.skip("no git")
+    monkeypatch.delenv("SPECLA_COMMIT", raising=False)
+    run = lambda *a: subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)  # noqa: E731
+    run("init", "-q")
+    (tmp_path / "f").write_text("a")
+    run("add", "f")
+    run("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "m")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    assert git_commit(tmp_path) == head
+    (tmp_path / "g").write_text("untracked files do not count")
+    assert git_commit(tmp_path) == head
+    (tmp_path / "f").write_text("b")
+    assert git_commit(tmp_path) == head + "-dirty"
+    monkeypatch.setenv("SPECLA_COMMIT", "abc1234")
+    assert git_commit(tmp_path) == "abc1234"
+
+
 def test_graph_timeline_summarises_busy_time_and_gaps():
     """graph_timeline.py's per-step sums: launches, kernel time, and idle time before each
     kernel but the step's first (overlapping kernels leave no gap), averaged over steps."""

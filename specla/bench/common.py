@@ -15,12 +15,18 @@ import torch
 RESULTS = Path("benchmarks/results")
 
 
-def git_commit() -> str:
+def git_commit(cwd=None) -> str:
+    """SPECLA_COMMIT if set, else git's HEAD, with "-dirty" when tracked files differ from it (a
+    copied tree on a device machine can sit on a stale checkout: its HEAD alone would name the
+    wrong code)."""
     if os.environ.get("SPECLA_COMMIT"):
         return os.environ["SPECLA_COMMIT"]
+
+    def git(*args):
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=True, cwd=cwd).stdout.strip()
+
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return git("rev-parse", "HEAD") + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
