@@ -234,6 +234,30 @@ def test_compiled_decode_greedy_tokens_equal(tiny_fp32):
 
 
 @needs_cxx
+def test_graphed_fused_ar_tokens_equal_plain(tiny_fp32, monkeypatch):
+    """The decode loop's graphed target beside a compiled fused model (CUDA graphs emulated):
+    its AR steps — compiled top-1, settle and commit — emit the plain eager path's tokens."""
+    from graph_emulation import emulate_graphs
+
+    from specla.ops.beam.naive import first_max
+
+    model = tiny_fp32
+    prompt = torch.randint(0, model.cfg.vocab_size, (10,), generator=torch.Generator().manual_seed(3)).tolist()
+    fuse(model, False)
+    ar = Decoder(model, graphs=False).generate(prompt, 16).tokens
+    emulate_graphs(monkeypatch)
+    fuse(model)
+    targets: dict = {}
+    try:
+        graphed = Decoder(model, graphs=True, targets=targets).generate(prompt, 16).tokens
+    finally:
+        fuse(model, False)
+    (target,) = targets.values()
+    assert type(target).__name__ == "GraphTarget" and target._top1 is not first_max  # the compiled top-1 ran
+    assert graphed == ar
+
+
+@needs_cxx
 def test_compiled_dynamic_tokens_one_graph_for_all_sizes(tiny_fp32):
     """dynamic_tokens: verifies of any size share one compiled graph per region."""
     import torch._dynamo.utils as du
