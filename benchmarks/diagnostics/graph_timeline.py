@@ -21,7 +21,7 @@ from collections import defaultdict
 import torch
 
 from specla.bench.common import environment
-from specla.bench.decode import _target
+from specla.bench.decode import ar_runner, round_runner
 from specla.bench.trees import beam_tree
 from specla.shapes import random_model
 
@@ -109,28 +109,11 @@ def main(argv=None) -> int:
     model = random_model(a.shape, device=dev)
     prompt = torch.randint(0, model.cfg.vocab_size, (256,), generator=torch.Generator().manual_seed(0)).tolist()
     parents = beam_tree(4, 4, 16)
-    n = len(parents)
     res = {}
 
-    ar = _target(model, len(prompt) + 8 * a.steps + 64, 1, True)
-    ar.prefill(torch.tensor([prompt[:-1]], device=dev))
-    ar.begin(torch.tensor([prompt[-1]], device=dev), 8 * a.steps, set())
-    res["ar_step"] = summarise(trace(lambda: ar.ar_round().tolist(), a.steps, dev))
-    ar = None
-
-    tgt = _target(model, len(prompt) + 8 * a.steps * n + 64, n, True)
-    tgt.prefill(torch.tensor([prompt[:-1]], device=dev))
-    tgt.begin(torch.tensor([prompt[-1]], device=dev), 8 * a.steps * n, set())
-    tokens, par = torch.zeros(1, n, dtype=torch.long, device=dev), torch.tensor([parents], device=dev)
-    valid = torch.full((1,), n, dtype=torch.long, device=dev)
-    g = torch.Generator(device=dev).manual_seed(0)
-
-    def round_():
-        tokens.copy_(torch.randint(0, model.cfg.vocab_size, (1, n), device=dev, generator=g))
-        tokens[:, 0] = tgt.next_root
-        tgt.round(tokens, par, valid=valid, delayed=True, static=True).report.tolist()
-
-    res["round16"] = summarise(trace(round_, a.steps, dev))
+    res["ar_step"] = summarise(trace(ar_runner(model, prompt, a.steps + 3), a.steps, dev))
+    draw, run = round_runner(model, prompt, parents, a.steps + 3)
+    res["round16"] = summarise(trace(lambda: (draw(), run()), a.steps, dev))
 
     for what, r in res.items():
         print(f"== {what}: span {r['span_us_median']:.0f} µs, {r['launches']:.0f} launches, "

@@ -45,25 +45,40 @@ def _target(model, max_len: int, budget: int, delayed: bool):
     return EagerTarget(model, 1, max_len)
 
 
-def time_rounds(model, prompt, parents, rounds: int, delayed: bool = True) -> float:
-    """Median ms of one round as the decode loop runs it (`GraphTarget.round`: verify, accept,
-    settle, commit in one graph replay) plus reading its report, each round on its own."""
+def round_runner(model, prompt, parents, rounds: int, delayed: bool = True):
+    """(draw, run) for up to `rounds` rounds after `prompt`: draw puts a random draft of the
+    topology `parents` in buffers of its own, read where they are (`static`), as the loop reads
+    a drafter graph's outputs (no staging copies); run is one round as the decode loop runs it
+    (`GraphTarget.round`: verify, accept, settle, commit in one graph replay) plus reading its
+    report, the loop's one host read."""
     n, dev = len(parents), model.device
     tgt = _target(model, len(prompt) + 4 * rounds * n + 64, n, delayed)
     tgt.prefill(torch.tensor([prompt[:-1]], device=dev))
     tgt.begin(torch.tensor([prompt[-1]], device=dev), 4 * rounds * n, set())
-    # the draft in buffers of its own, read where they are (`static`), as the loop reads a
-    # drafter graph's outputs: no staging copies inside the timing
     tokens, par = torch.zeros(1, n, dtype=torch.long, device=dev), torch.tensor([parents], device=dev)
     valid = torch.full((1,), n, dtype=torch.long, device=dev)
     g = torch.Generator(device=dev).manual_seed(0)
-    times = []
-    for i in range(rounds + 3):
+
+    def draw():
         tokens.copy_(torch.randint(0, model.cfg.vocab_size, (1, n), device=dev, generator=g))
         tokens[:, 0] = tgt.next_root
+
+    def run():
+        tgt.round(tokens, par, valid=valid, delayed=delayed, static=True).report.tolist()
+
+    return draw, run
+
+
+def time_rounds(model, prompt, parents, rounds: int, delayed: bool = True) -> float:
+    """Median ms of one round (`round_runner`'s run), each round on its own."""
+    dev = model.device
+    draw, run = round_runner(model, prompt, parents, rounds + 3, delayed)
+    times = []
+    for i in range(rounds + 3):
+        draw()
         _sync(dev)
         t0 = time.perf_counter()
-        tgt.round(tokens, par, valid=valid, delayed=delayed, static=True).report.tolist()  # the loop's one host read
+        run()
         _sync(dev)
         if i >= 3:
             times.append((time.perf_counter() - t0) * 1e3)
@@ -78,17 +93,25 @@ def _generate(model, make_drafter, graphs: bool, prompt, new_tokens: int):
     return Decoder(model, drafter, graphs=graphs, targets=targets).generate(prompt, new_tokens)
 
 
-def time_ar_steps(model, prompt, steps: int) -> float:
-    """Median ms of one greedy AR step (`GraphTarget.ar_round`) plus reading its report."""
+def ar_runner(model, prompt, steps: int):
+    """One greedy AR step after `prompt` (`GraphTarget.ar_round`) plus reading its report, for
+    up to `steps` steps."""
     dev = model.device
     tgt = _target(model, len(prompt) + steps + 64, 1, True)
     tgt.prefill(torch.tensor([prompt[:-1]], device=dev))
-    tgt.begin(torch.tensor([prompt[-1]], device=dev), steps + 3, set())
+    tgt.begin(torch.tensor([prompt[-1]], device=dev), steps, set())
+    return lambda: tgt.ar_round().tolist()
+
+
+def time_ar_steps(model, prompt, steps: int) -> float:
+    """Median ms of one greedy AR step (`ar_runner`)."""
+    dev = model.device
+    run = ar_runner(model, prompt, steps + 3)
     times = []
     for i in range(steps + 3):
         _sync(dev)
         t0 = time.perf_counter()
-        tgt.ar_round().tolist()
+        run()
         if i >= 3:
             times.append((time.perf_counter() - t0) * 1e3)
     return sorted(times)[len(times) // 2]
