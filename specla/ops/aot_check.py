@@ -59,10 +59,10 @@ def variants(H=8, HV=8, K=256, V=256):
         tiling = f"NT={NT} BV={BV} KW={KW} BK={BKC}"
         for pending in (False, True):
             yield (f"parallel products{'+pending' if pending else ''} {tiling} w={warps}", parallel._products_kernel,
-                   dict(H=H, HV=HV, K=K, V=V, BKC=BKC, KW=KW, BV=BV, NV=V // BV, NKS=K // KW, NT=NT, PD=16,
-                        HAS_PENDING=pending, PREC="tf32x3"), warps)
+                   dict(H=H, HV=HV, K=K, V=V, BKC=BKC, KW=KW, BV=BV, NV=V // BV, NKS=K // KW, NT=NT, TB=min(NT, 32 if NT < 64 else 16), PD=16,
+                        HAS_PENDING=pending, HAS_VALID=True, PREC="tf32x3"), warps)
         yield (f"parallel solve {tiling} w={solve_warps}", parallel._solve_kernel,
-               dict(H=H, HV=HV, V=V, BV=BV, NV=V // BV, NKS=K // KW, NT=NT, HAS_VALID=True), solve_warps)
+               dict(HV=HV, V=V, BV=BV, NV=V // BV, NKS=K // KW, NT=NT, HAS_VALID=True), solve_warps)
     for BV in (16, 32):
         yield (f"commit BV={BV}", commit._commit_kernel,
                dict(H=H, HV=HV, K=K, V=V, BK=K, BV=BV, NV=V // BV, PP=16), 4)
