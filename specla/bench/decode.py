@@ -50,7 +50,7 @@ def round_runner(model, prompt, parents, rounds: int, delayed: bool = True):
     topology `parents` in buffers of its own, read where they are (`static`), as the loop reads
     a drafter graph's outputs (no staging copies); run is one round as the decode loop runs it
     (`GraphTarget.round`: verify, accept, settle, commit in one graph replay) plus reading its
-    report, the loop's one host read."""
+    report, the loop's one host read, which it returns."""
     n, dev = len(parents), model.device
     tgt = _target(model, len(prompt) + 4 * rounds * n + 64, n, delayed)
     tgt.prefill(torch.tensor([prompt[:-1]], device=dev))
@@ -64,7 +64,7 @@ def round_runner(model, prompt, parents, rounds: int, delayed: bool = True):
         tokens[:, 0] = tgt.next_root
 
     def run():
-        tgt.round(tokens, par, valid=valid, delayed=delayed, static=True).report.tolist()
+        return tgt.round(tokens, par, valid=valid, delayed=delayed, static=True).report.tolist()
 
     return draw, run
 

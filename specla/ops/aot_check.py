@@ -54,15 +54,15 @@ def variants(H=8, HV=8, K=256, V=256):
                 yield (f"verify[{kind}{f'+pending{PP}' if pending else ''}] BV={BV} w={warps}", serial.tree_verify_kernel,
                        dict(H=H, HV=HV, K=K, V=V, BK=K, BV=BV, NV=V // BV, NP=64, PP=PP, TREE=tree, HYBRID=hybrid,
                             PATHS=paths, HAS_PENDING=pending, STORE_U=not final, WRITE_FINAL=final,
-                            HAS_VALID=paths or not tree and not hybrid and not final), warps)
+                            HAS_VALID=paths or not tree and not hybrid and not final, PDL=not (hybrid or paths)), warps)
     for NT, (BV, KW, BKC, warps, solve_warps) in list(parallel.TILINGS.items()) + list(parallel.SWEEP):
         tiling = f"NT={NT} BV={BV} KW={KW} BK={BKC}"
         for pending in (False, True):
             yield (f"parallel products{'+pending' if pending else ''} {tiling} w={warps}", parallel._products_kernel,
-                   dict(H=H, HV=HV, K=K, V=V, BKC=BKC, KW=KW, BV=BV, NV=V // BV, NKS=K // KW, NT=NT, TB=min(NT, 32 if NT < 64 else 16), PD=16,
-                        HAS_PENDING=pending, HAS_VALID=True, PREC="tf32x3"), warps)
+                   dict(H=H, HV=HV, K=K, V=V, BKC=BKC, KW=KW, BV=BV, NV=V // BV, NKS=K // KW, NT=NT, PD=16,
+                        HAS_PENDING=pending, PREC="tf32x3"), warps)
         yield (f"parallel solve {tiling} w={solve_warps}", parallel._solve_kernel,
-               dict(HV=HV, V=V, BV=BV, NV=V // BV, NKS=K // KW, NT=NT, HAS_VALID=True), solve_warps)
+               dict(H=H, HV=HV, V=V, BV=BV, NV=V // BV, NKS=K // KW, NT=NT, HAS_VALID=True), solve_warps)
     for BV in (16, 32):
         yield (f"commit BV={BV}", commit._commit_kernel,
                dict(H=H, HV=HV, K=K, V=V, BK=K, BV=BV, NV=V // BV, PP=16), 4)
@@ -136,6 +136,9 @@ def compile_variant(kernel, consts, num_warps, arch=90, type_of=_gdn_type, optio
     from triton.compiler import ASTSource
 
     names = kernel.arg_names
+    if "PDL" in names:  # the form a Hopper launches (ops.pdl), unless the variant says
+        consts = {"PDL": True, **consts}
+        options = {"launch_pdl": consts["PDL"], **(options or {})}
     sig = {a: "constexpr" if a in consts else type_of(a) for a in names}
     # pointers, and the sizes the JIT specialises on (a multiple of 16 at the paper shape)
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if sig[a].startswith("*") or a in ALIGNED}

@@ -12,6 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
+from specla.ops import pdl
+from specla.ops.pdl import wait_previous
+
 
 @triton.jit
 def _tree_conv_tile(x, conv_state, weight, bias, parents, b, ch, mc, n, C, s_xb, s_xn,
@@ -195,7 +198,8 @@ def _gates(av, bv, A_log, dt_bias, hv, NEG: tl.constexpr):
 def _step_prelude_kernel(x, conv_state, weight, bias, a, bb, A_log, dt_bias, q, k, v, g, beta, C, s_xb, s_ab, s_bb,
                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
                          WP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         NEG: tl.constexpr):
+                         NEG: tl.constexpr, PDL: tl.constexpr):
+    wait_previous(PDL)  # everything here reads the in-projection before it
     # The token is node 0 of a one-node chain through the verify's own conv and norm code
     # (`_tree_prelude_kernel`), in a two-row tile whose second row is empty: an AR step's
     # factors are then the bits a verify computes for that token in any row of any width.
@@ -246,7 +250,7 @@ def step_prelude(x, conv_state, weight, bias, a, b, A_log, dt_bias, num_heads: i
         x, conv_state, weight.contiguous(), bias if bias is not None else weight, a, b, A_log, dt_bias,
         q, k, v, g, beta, C, x.stride(0), a.stride(0), b.stride(0), H=H, HV=HV, K=K, V=V, W=W,
         WP=triton.next_power_of_2(W), BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V),
-        HAS_BIAS=bias is not None, NEG=neg_eigval)
+        HAS_BIAS=bias is not None, NEG=neg_eigval, PDL=pdl.enabled(x.device), launch_pdl=pdl.enabled(x.device))
     return q, k, v, g, beta
 
 
@@ -263,7 +267,8 @@ def _tree_prelude_kernel(x, conv_state, weight, bias, parents, a, bb, A_log, dt_
                          s_xb, s_xn, s_ab, s_an, s_bb, s_bn,
                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
                          NB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         NEG: tl.constexpr):
+                         NEG: tl.constexpr, PDL: tl.constexpr):
+    wait_previous(PDL)  # everything here reads the in-projection before it
     head, b, j0 = tl.program_id(0), tl.program_id(1), tl.program_id(2) * NB
     j = j0 + tl.arange(0, NB)
     mj = j < n
@@ -313,5 +318,5 @@ def tree_prelude(x, conv_state, weight, bias, parents, a, b, A_log, dt_bias, num
         a, b, A_log, dt_bias, q, k, v, g, beta, n, C, x.stride(0), x.stride(1), a.stride(0), a.stride(1),
         b.stride(0), b.stride(1), H=H, HV=HV, K=K, V=V, W=W, NB=NB,
         BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V), HAS_BIAS=bias is not None, NEG=neg_eigval,
-        num_warps=warps)
+        PDL=pdl.enabled(x.device), num_warps=warps, launch_pdl=pdl.enabled(x.device))
     return q, k, v, g, beta

@@ -61,123 +61,95 @@ import triton.language as tl
 from specla.ops.gdn.commit import pending_args, real_nodes
 from specla.ops.gdn.schedule import plan_for
 from specla.ops.gdn.serial import _rows
+from specla.ops import pdl
+from specla.ops.pdl import wait_previous
 
 
 @triton.jit(do_not_specialize=["n", "P"])
 def _products_kernel(
-    q, k, g, beta, state, mask, valid, pk, pg, pu, plen, ks, qs, tb, w, gam,
-    scale, n, P,
+    q, k, state, pk, pg, pu, plen, ks, qs, kk, qk,
+    n, P,
     s_qb, s_qn, s_kb, s_kn,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BKC: tl.constexpr, KW: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, NKS: tl.constexpr,
-    NT: tl.constexpr, TB: tl.constexpr, PD: tl.constexpr, HAS_PENDING: tl.constexpr, HAS_VALID: tl.constexpr,
-    PREC: tl.constexpr,
+    NT: tl.constexpr, PD: tl.constexpr, HAS_PENDING: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
 ):
-    # axis 0: (row, value head, V-tile), with one more "tile" a value head that forms the
-    # head's node-by-node operators over the whole of K (its K stretches but the first exit);
-    # axis 1: K stretch. Keys and queries are one [2 NT, BKC] operand (rows NT.. the queries):
-    # one product of M = 2 NT a block, not two
+    # axis 0: (row, value head, V-tile), with one more "tile" a value head for K Kᵀ and Q Kᵀ (idle
+    # but for a group's first value head under GVA); axis 1: K stretch. Keys and queries are
+    # one [2 NT, BKC] operand (rows NT.. the queries): one product of M = 2 NT a block, not two
     pid, s = tl.program_id(0), tl.program_id(1)
     b, hv, vt = pid // (HV * (NV + 1)), (pid // (NV + 1)) % HV, pid % (NV + 1)
     i_h = hv // (HV // H)
+    r2 = tl.arange(0, 2 * NT)
+    isq = r2 >= NT
+    rr = tl.where(isq, r2 - NT, r2)
+    live2 = rr < n
+    p_kq = tl.where(isq, q + b.to(tl.int64) * s_qb + rr * s_qn, k + b.to(tl.int64) * s_kb + rr * s_kn) + i_h * K
     if vt < NV:
-        r2 = tl.arange(0, 2 * NT)
-        isq = r2 >= NT
-        rr = tl.where(isq, r2 - NT, r2)
-        live2 = rr < n
-        p_kq = tl.where(isq, q + b.to(tl.int64) * s_qb + rr * s_qn, k + b.to(tl.int64) * s_kb + rr * s_kn) + i_h * K
         o_v = vt * BV + tl.arange(0, BV)
         mv = o_v < V
         p_S = state + (b * HV + hv).to(tl.int64) * K * V + o_v[None, :]
         if HAS_PENDING:
             # S <- Γ_P S + Σ_p (Γ_P / Γ_p) k_p u_pᵀ over the live pending factors, as one product
-            # per K block. The factor rows are requested before the length arrives (masked by the
-            # buffer's size only), and rows past the length are zeroed after the load, never
-            # multiplied (garbage stays out): the length's load is not on the loads' path
+            # per K block; rows past the length are masked, never multiplied (garbage stays out)
             pr = tl.arange(0, PD)
-            inb = pr < P
             n_live = tl.load(plen + b)
-            livep = inb & (pr < n_live)
-            gp = tl.where(livep, tl.load(pg + (b * P + pr) * HV + hv, mask=inb, other=0.0).to(tl.float32), 0.0)
+            livep = pr < tl.minimum(n_live, P)
+            gp = tl.load(pg + (b * P + pr) * HV + hv, mask=livep, other=0.0).to(tl.float32)
             g_all = tl.sum(gp, 0)
             W = tl.where(livep, tl.exp(g_all - tl.cumsum(gp, 0)), 0.0)
-            WU = tl.where(livep[:, None], W[:, None] * tl.load(
-                pu + ((b * P + pr[:, None]) * HV + hv).to(tl.int64) * V + o_v[None, :],
-                mask=inb[:, None] & mv[None, :], other=0.0).to(tl.float32), 0.0)
+            WU = W[:, None] * tl.load(pu + ((b * P + pr[:, None]) * HV + hv).to(tl.int64) * V + o_v[None, :],
+                                      mask=livep[:, None] & mv[None, :], other=0.0).to(tl.float32)
             Gam_P = tl.exp(g_all)
             flush = n_live > 0  # an empty pending buffer leaves the state as it is
         KQS = tl.zeros([2 * NT, BV], dtype=tl.float32)
         for k0 in range(s * KW, s * KW + KW, BKC):
             o_k = k0 + tl.arange(0, BKC)
             mk = o_k < K
-            b_kq = tl.load(p_kq[:, None] + o_k[None, :], mask=live2[:, None] & mk[None, :], other=0.0).to(tl.float32)
             m_S = mk[:, None] & mv[None, :]
             S = tl.load(p_S + o_k[:, None] * V, mask=m_S, other=0.0)
             if HAS_PENDING:
                 # the pending update is elementwise along K, so each block advances on its own
                 Kp = tl.load(pk + ((b * P + pr[None, :]) * H + i_h).to(tl.int64) * K + o_k[:, None],
-                             mask=mk[:, None] & inb[None, :], other=0.0).to(tl.float32)
-                Kp = tl.where(livep[None, :], Kp, 0.0)
+                             mask=mk[:, None] & livep[None, :], other=0.0).to(tl.float32)
                 S = Gam_P * S + tl.dot(Kp, WU, input_precision=PREC)
                 if flush:
                     tl.store(p_S + o_k[:, None] * V, S, mask=m_S)
+            # the state and its pending update are this layer's own: with PDL they are loaded,
+            # advanced and flushed while the prelude still writes the keys and queries
+            wait_previous(PDL)
+            b_kq = tl.load(p_kq[:, None] + o_k[None, :], mask=live2[:, None] & mk[None, :], other=0.0).to(tl.float32)
             KQS = tl.dot(b_kq, S, KQS, input_precision=PREC)
         p_o = tl.where(isq, qs, ks)[:, None] + ((((b * HV + hv) * NKS + s) * NT + rr).to(tl.int64) * V)[:, None] \
             + o_v[None, :]
         tl.store(p_o, KQS, mask=live2[:, None] & mv[None, :])
-    elif s == 0:
-        # the value head's operators, which no V-tile needs to repeat: with A, D and Γ below,
-        # T = (I + A)⁻¹ by Jacobi's iteration T <- I - A T from T = I (A has a non-zero (j, i)
-        # only where i is a strict ancestor of j, so after t steps every node at depth <= t + 1
-        # holds its final row: steps = the tree's depth - 1), written as T diag(β); scale D ∘ Q Kᵀ;
-        # and Γ. These programs run beside the state's products, off the solve's path
+    elif hv % (HV // H) == 0:  # K Kᵀ and Q Kᵀ of the q/k head, formed by its first value head's extra tile
+        wait_previous(PDL)
         rows = tl.arange(0, NT)
         live = rows < n
         p_k = k + b.to(tl.int64) * s_kb + i_h * K + rows[:, None] * s_kn
-        p_q = q + b.to(tl.int64) * s_qb + i_h * K + rows[:, None] * s_qn
-        # narrow K blocks and T a column block at a time: this branch shares the program's registers
-        KK = tl.zeros([NT, NT], dtype=tl.float32)
-        QK = tl.zeros([NT, NT], dtype=tl.float32)
-        for k0 in range(0, K, 16):
-            o_k = k0 + tl.arange(0, 16)
-            m = live[:, None] & (o_k < K)[None, :]
-            b_k = tl.load(p_k + o_k[None, :], mask=m, other=0.0).to(tl.float32)
-            b_q = tl.load(p_q + o_k[None, :], mask=m, other=0.0).to(tl.float32)
-            KK = tl.dot(b_k, tl.trans(b_k), KK, input_precision=PREC)
-            QK = tl.dot(b_q, tl.trans(b_k), QK, input_precision=PREC)
-        n_real = n
-        if HAS_VALID:
-            n_real = real_nodes(valid, b, n)
-        Mb = tl.load(mask + b * NT * NT + rows[:, None] * NT + rows[None, :]) > 0  # ancestor-or-self
-        gg = tl.load(g + (b * n + rows) * HV + hv, mask=live, other=0.0).to(tl.float32)
-        bb = tl.load(beta + (b * n + rows) * HV + hv, mask=live, other=0.0).to(tl.float32)
-        Gc = tl.sum(tl.where(Mb, gg[None, :], 0.0), 1)  # log Γ_j
-        D = tl.where(Mb, tl.exp(Gc[:, None] - Gc[None, :]), 0.0)
-        p_t = (b * HV + hv).to(tl.int64) * NT * NT + rows[:, None] * NT
-        tl.store(w + p_t + rows[None, :], scale * D * QK)
-        tl.store(gam + (b * HV + hv) * NT + rows, tl.exp(Gc))
-        A = tl.where(rows[:, None] > rows[None, :], bb[:, None] * D * KK, 0.0)
-        depth = tl.max(tl.where(rows < n_real, tl.sum(Mb.to(tl.int32), 1), 0), 0)
-        for c0 in tl.static_range(0, NT, TB):
-            cols = c0 + tl.arange(0, TB)
-            E = tl.where(rows[:, None] == cols[None, :], 1.0, 0.0)
-            T = E
-            for _ in range(1, depth):
-                T = E - tl.dot(A, T, input_precision="ieee")
-            b_c = tl.load(beta + (b * n + cols) * HV + hv, mask=cols < n, other=0.0).to(tl.float32)
-            tl.store(tb + p_t + cols[None, :], T * b_c[None, :])
+        KQK = tl.zeros([2 * NT, NT], dtype=tl.float32)
+        for k0 in range(s * KW, s * KW + KW, BKC):
+            o_k = k0 + tl.arange(0, BKC)
+            mk = o_k < K
+            b_kq = tl.load(p_kq[:, None] + o_k[None, :], mask=live2[:, None] & mk[None, :], other=0.0).to(tl.float32)
+            b_k = tl.load(p_k + o_k[None, :], mask=live[:, None] & mk[None, :], other=0.0).to(tl.float32)
+            KQK = tl.dot(b_kq, tl.trans(b_k), KQK, input_precision=PREC)
+        p_g = tl.where(isq, qk, kk)[:, None] + ((((b * H + i_h) * NKS + s) * NT + rr).to(tl.int64) * NT)[:, None] \
+            + rows[None, :]
+        tl.store(p_g, KQK)
 
 
 @triton.jit(do_not_specialize=["n"])
 def _solve_kernel(
-    v, o, u, valid, ks, qs, tb, w, gam,
+    v, g, beta, o, u, mask, valid, ks, qs, kk, qk,
     scale, n, s_vb, s_vn,
-    HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, NKS: tl.constexpr,
-    NT: tl.constexpr, HAS_VALID: tl.constexpr,
+    H: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, NKS: tl.constexpr,
+    NT: tl.constexpr, HAS_VALID: tl.constexpr, PDL: tl.constexpr,
 ):
-    # U = T diag(β) (V - diag(Γ) K S₀), O = scale diag(Γ) Q S₀ + (scale D ∘ Q Kᵀ) U: two products
     pid = tl.program_id(0)
     b, hv, vt = pid // (HV * NV), (pid // NV) % HV, pid % NV
+    i_h = hv // (HV // H)
     rows = tl.arange(0, NT)
     n_real = n
     if HAS_VALID:
@@ -186,20 +158,36 @@ def _solve_kernel(
     o_v = vt * BV + tl.arange(0, BV)
     mv = o_v < V
     m_o = live[:, None] & mv[None, :]
+
+    Mb = tl.load(mask + b * NT * NT + rows[:, None] * NT + rows[None, :]) > 0  # ancestor-or-self
+    wait_previous(PDL)  # the mask is the round's (made before its first layer); the rest is not
+    gg = tl.load(g + (b * n + rows) * HV + hv, mask=live, other=0.0).to(tl.float32)
+    bb = tl.load(beta + (b * n + rows) * HV + hv, mask=live, other=0.0).to(tl.float32)
     b_v = tl.load(v + b.to(tl.int64) * s_vb + rows[:, None] * s_vn + hv * V + o_v[None, :],
                   mask=m_o, other=0.0).to(tl.float32)
-    p_t = (b * HV + hv).to(tl.int64) * NT * NT + rows[:, None] * NT + rows[None, :]
-    Tb = tl.load(tb + p_t)
-    Wq = tl.load(w + p_t)
-    Gam = tl.load(gam + (b * HV + hv) * NT + rows)
     KS = tl.zeros([NT, BV], dtype=tl.float32)
     QS = tl.zeros([NT, BV], dtype=tl.float32)
+    KK = tl.zeros([NT, NT], dtype=tl.float32)
+    QK = tl.zeros([NT, NT], dtype=tl.float32)
     for s in tl.static_range(NKS):
         p_o = (((b * HV + hv) * NKS + s) * NT + rows[:, None]).to(tl.int64) * V + o_v[None, :]
         KS += tl.load(ks + p_o, mask=m_o, other=0.0)
         QS += tl.load(qs + p_o, mask=m_o, other=0.0)
-    U = tl.dot(Tb, b_v - Gam[:, None] * KS, input_precision="ieee")
-    O = (scale * Gam)[:, None] * QS + tl.dot(Wq, U, input_precision="ieee")
+        p_g = (((b * H + i_h) * NKS + s) * NT + rows[:, None]).to(tl.int64) * NT + rows[None, :]
+        KK += tl.load(kk + p_g)
+        QK += tl.load(qk + p_g)
+
+    Gc = tl.sum(tl.where(Mb, gg[None, :], 0.0), 1)  # log Γ_j
+    D = tl.where(Mb, tl.exp(Gc[:, None] - Gc[None, :]), 0.0)
+    Gam = tl.exp(Gc)
+    A = tl.where(rows[:, None] > rows[None, :], bb[:, None] * D * KK, 0.0)
+    R = bb[:, None] * (b_v - Gam[:, None] * KS)
+    # Jacobi steps up to the deepest real node (depth = ancestors and itself)
+    depth = tl.max(tl.where(rows < n_real, tl.sum(Mb.to(tl.int32), 1), 0), 0)
+    U = R
+    for _ in range(1, depth):
+        U = R - tl.dot(A, U, input_precision="ieee")
+    O = (Gam[:, None] * QS + tl.dot(D * QK, U, input_precision="ieee")) * scale
 
     real = rows < n_real
     p_out = ((b * n + rows[:, None]) * HV + hv).to(tl.int64) * V + o_v[None, :]
@@ -212,9 +200,9 @@ def _solve_kernel(
 # update (NT = 16 and 32: the H200's, stacked operands, one 64-column block a program; NT = 64:
 # the H100's before stacking, with half the K columns: stacked, 64 would spill), and spill-free at
 # the paper shape (`python -m specla.ops.aot_check`)
-TILINGS = {16: (32, 64, 64, 4, 4), 32: (32, 64, 64, 4, 4), 64: (16, 64, 32, 8, 8)}
+TILINGS = {16: (32, 64, 64, 4, 4), 32: (32, 64, 64, 4, 4), 64: (16, 32, 32, 4, 8)}
 # (NT, tiling): what `bench kernels` times besides them (and aot_check compiles)
-SWEEP = ((16, (16, 32, 32, 4, 4)), (32, (32, 64, 32, 4, 4)), (32, (16, 64, 64, 4, 4)), (64, (16, 32, 32, 8, 8)))
+SWEEP = ((16, (16, 32, 32, 4, 4)), (32, (32, 64, 32, 4, 4)), (32, (16, 64, 64, 4, 4)), (64, (16, 64, 32, 8, 8)))
 MAX_NODES = 64
 
 
@@ -244,19 +232,20 @@ def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, valid
     q, k, v = _rows(q), _rows(k), _rows(v)
     f32 = dict(dtype=torch.float32, device=dev)
     ks, qs = torch.empty(B, HV, NKS, NT, V, **f32), torch.empty(B, HV, NKS, NT, V, **f32)
-    tb, w, gam = torch.empty(B, HV, NT, NT, **f32), torch.empty(B, HV, NT, NT, **f32), torch.empty(B, HV, NT, **f32)
+    kk, qk = torch.empty(B, H, NKS, NT, NT, **f32), torch.empty(B, H, NKS, NT, NT, **f32)
     pk, pg, pu, plen, P, PP, has_pending = pending_args(pending, dev)
-    g, beta = g.contiguous(), beta.contiguous()
-    valid_t = plen if valid is None else valid.contiguous()
+    use_pdl = pdl.enabled(dev)
     _products_kernel[(B * HV * (NV + 1), NKS)](
-        q, k, g, beta, state, mask, valid_t, pk, pg, pu, plen, ks, qs, tb, w, gam, scale, n, P,
+        q, k, state, pk, pg, pu, plen, ks, qs, kk, qk, n, P,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        H=H, HV=HV, K=K, V=V, BKC=BKC, KW=KW, BV=BV, NV=NV, NKS=NKS, NT=NT, TB=min(NT, 32 if NT < 64 else 16),
-        PD=max(16, triton.next_power_of_2(PP)), HAS_PENDING=has_pending, HAS_VALID=valid is not None,
-        PREC=precision, num_warps=warps)
+        H=H, HV=HV, K=K, V=V, BKC=BKC, KW=KW, BV=BV, NV=NV, NKS=NKS, NT=NT,
+        PD=max(16, triton.next_power_of_2(PP)), HAS_PENDING=has_pending, PREC=precision, PDL=use_pdl, num_warps=warps,
+        launch_pdl=use_pdl)
     o = torch.empty(B, n, HV, V, dtype=state.dtype, device=dev)
     u = torch.empty_like(o)
     _solve_kernel[(B * HV * NV,)](
-        v, o, u, valid_t, ks, qs, tb, w, gam, scale, n, v.stride(0), v.stride(1),
-        HV=HV, V=V, BV=BV, NV=NV, NKS=NKS, NT=NT, HAS_VALID=valid is not None, num_warps=solve_warps)
+        v, g.contiguous(), beta.contiguous(), o, u, mask, plen if valid is None else valid.contiguous(),
+        ks, qs, kk, qk, scale, n, v.stride(0), v.stride(1),
+        H=H, HV=HV, V=V, BV=BV, NV=NV, NKS=NKS, NT=NT, HAS_VALID=valid is not None, PDL=use_pdl,
+        num_warps=solve_warps, launch_pdl=use_pdl)
     return o, u

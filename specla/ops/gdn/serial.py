@@ -34,7 +34,9 @@ import triton
 import triton.language as tl
 
 from specla.ops.gdn.commit import advance_tile, decay_update, pending_args, real_nodes
+from specla.ops import pdl
 from specla.ops.gdn.schedule import plan_for
+from specla.ops.pdl import wait_previous
 
 
 @triton.jit
@@ -48,6 +50,19 @@ def _pick(vec, idx, i):
     return tl.sum(tl.where(idx == i, vec, 0), 0)
 
 
+@triton.jit
+def _durable_tile(p_S, m_S, b, hv, i_h, pk, pg, pu, plen, P, o_k, mk, o_v, mv, H: tl.constexpr, HV: tl.constexpr,
+                  K: tl.constexpr, V: tl.constexpr, PP: tl.constexpr, HAS_PENDING: tl.constexpr):
+    """The root program's state tile: loaded, advanced by the pending update and written back
+    (the durable state now includes the previous round's commit)."""
+    S = tl.load(p_S, mask=m_S, other=0.0)
+    if HAS_PENDING:
+        S = advance_tile(S, b, hv, i_h, pk, pg, pu, plen, plen, P, P, o_k, mk, o_v, mv, H, HV, K, V, PP, False)
+        if tl.load(plen + b) > 0:  # an empty pending buffer leaves the state as it is
+            tl.store(p_S, S, mask=m_S)
+    return S
+
+
 @triton.jit(do_not_specialize=["n", "P", "n_tiles"])
 def tree_verify_kernel(
     q, k, v, g, beta, state, o, u, parents, scratch,
@@ -58,7 +73,7 @@ def tree_verify_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, NP: tl.constexpr, PP: tl.constexpr,
     TREE: tl.constexpr, HYBRID: tl.constexpr, PATHS: tl.constexpr, HAS_PENDING: tl.constexpr,
-    STORE_U: tl.constexpr, WRITE_FINAL: tl.constexpr, HAS_VALID: tl.constexpr,
+    STORE_U: tl.constexpr, WRITE_FINAL: tl.constexpr, HAS_VALID: tl.constexpr, PDL: tl.constexpr,
 ):
     """TREE=False: nodes form a chain (parents ignored). TREE, not HYBRID: all n nodes in one
     program per tile (serial verifier). HYBRID: one program per (chain, tile), see hybrid.py.
@@ -118,6 +133,10 @@ def tree_verify_kernel(
     tile = o_k[:, None] * V + o_v[None, :]
     p_S = state + (b * HV + hv).to(tl.int64) * K * V + tile
 
+    if PDL:  # (chains and the serial pass only) the durable tile and its pending update are
+        # this layer's own: loaded, advanced and flushed while the prelude still writes the inputs
+        S = _durable_tile(p_S, m_S, b, hv, i_h, pk, pg, pu, plen, P, o_k, mk, o_v, mv, H, HV, K, V, PP, HAS_PENDING)
+        wait_previous(PDL)
     # the first node's inputs are requested before the state tile, so both loads overlap
     p_q = q + b.to(tl.int64) * s_qb + i_h * K + o_k
     p_k = k + b.to(tl.int64) * s_kb + i_h * K + o_k
@@ -135,6 +154,8 @@ def tree_verify_kernel(
         # the programs past the leaves come last in the grid and only touch it in L2
         S = tl.load(p_S, mask=m_S, other=0.0)
         start = L > 0
+    elif PDL:
+        start = False  # the tile is in hand
     else:
         S = tl.zeros([BK, BV], dtype=tl.float32)
         start = node == 0
@@ -142,21 +163,19 @@ def tree_verify_kernel(
     root = S
     if start:  # this program starts at the root: it owns the durable tile
         if not PATHS:
-            S = tl.load(p_S, mask=m_S, other=0.0)
-        if HAS_PENDING:
+            S = _durable_tile(p_S, m_S, b, hv, i_h, pk, pg, pu, plen, P, o_k, mk, o_v, mv, H, HV, K, V, PP,
+                              HAS_PENDING)
+        elif HAS_PENDING:
             S = advance_tile(S, b, hv, i_h, pk, pg, pu, plen, plen, P, P, o_k, mk, o_v, mv,
                              H, HV, K, V, PP, False)
             if tl.load(plen + b) > 0:  # an empty pending buffer leaves the state as it is
-                if PATHS:
-                    # every path advanced its own copy of the tile; the last to have loaded it
-                    # writes it back after its walk (nobody reads the durable tile then). A
-                    # release increment: it orders this program's load of the tile before it
-                    # without holding the walk's loads behind the atomic's round trip.
-                    tl.debug_barrier()  # every thread's load of the tile is done
-                    ticket = tl.atomic_add(counters + r, 1, sem="release")
-                    root = S
-                else:
-                    tl.store(p_S, S, mask=m_S)
+                # every path advanced its own copy of the tile; the last to have loaded it
+                # writes it back after its walk (nobody reads the durable tile then). A
+                # release increment: it orders this program's load of the tile before it
+                # without holding the walk's loads behind the atomic's round trip.
+                tl.debug_barrier()  # every thread's load of the tile is done
+                ticket = tl.atomic_add(counters + r, 1, sem="release")
+                root = S
     if HYBRID:
         prev = node * 0 - 1
     elif TREE:
@@ -267,6 +286,9 @@ def launch(q, k, v, g, beta, state, parents, scale, pending, *, grid, tree, hybr
     # boundary tiles, indexed by node id; allocation only: just the boundaries are written
     scratch = torch.empty(B, n, HV, K, V, dtype=torch.float32, device=dev) if tree and paths is None else o
     pk, pg, pu, plen, P, PP, has_pending = pending_args(pending, dev)
+    # the hybrid's and the paths' programs synchronise through flags and counters that the
+    # launch before them zeroes: they wait for it whole
+    use_pdl = hybrid is None and paths is None and pdl.enabled(dev)
     if hybrid is not None:
         sched = hybrid
     elif tree and paths is None:
@@ -284,7 +306,7 @@ def launch(q, k, v, g, beta, state, parents, scale, pending, *, grid, tree, hybr
         NP=triton.next_power_of_2(n) if tree else 1, PP=PP, TREE=tree and paths is None,
         HYBRID=hybrid is not None, PATHS=paths is not None,
         HAS_PENDING=has_pending, STORE_U=store_u, WRITE_FINAL=write_final, HAS_VALID=valid is not None,
-        num_warps=num_warps)
+        PDL=use_pdl, num_warps=num_warps, launch_pdl=use_pdl)
     return o, u
 
 

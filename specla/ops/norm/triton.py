@@ -9,10 +9,14 @@ import torch
 import triton
 import triton.language as tl
 
+from specla.ops import pdl
+from specla.ops.pdl import wait_previous
+
 
 @triton.jit
 def _gated_rms_norm_kernel(o, z, weight, y, n, s_zb, s_zn, eps, HV: tl.constexpr, V: tl.constexpr,
-                           BV: tl.constexpr, HAS_Z: tl.constexpr, SIGMOID: tl.constexpr):
+                           BV: tl.constexpr, HAS_Z: tl.constexpr, SIGMOID: tl.constexpr, PDL: tl.constexpr):
+    wait_previous(PDL)  # o is the verify's, just before
     row = tl.program_id(0)  # ((b * n) + t) * HV + hv
     hv, bt = row % HV, row // HV
     c = tl.arange(0, BV)
@@ -39,5 +43,5 @@ def gated_rms_norm(o, z, weight, eps: float, act: str, out_dtype: torch.dtype):
     _gated_rms_norm_kernel[(B * n * HV,)](
         o, z if z is not None else o, weight, y, n, z.stride(0) if z is not None else 0,
         z.stride(1) if z is not None else 0, eps, HV=HV, V=V, BV=triton.next_power_of_2(V),
-        HAS_Z=z is not None, SIGMOID=act == "sigmoid")
+        HAS_Z=z is not None, SIGMOID=act == "sigmoid", PDL=pdl.enabled(o.device), launch_pdl=pdl.enabled(o.device))
     return y
