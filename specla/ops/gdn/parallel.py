@@ -65,6 +65,23 @@ from specla.ops import pdl
 from specla.ops.pdl import wait_previous
 
 
+@triton.jit
+def _state_block(p_S, o_k, mv, b, i_h, pk, P, pr, livep, Gam_P, WU, flush, H: tl.constexpr, K: tl.constexpr,
+                 V: tl.constexpr, HAS_PENDING: tl.constexpr, PREC: tl.constexpr):
+    """Rows o_k of the state tile, advanced by the pending update and flushed (when there is one)."""
+    mk = o_k < K
+    m_S = mk[:, None] & mv[None, :]
+    S = tl.load(p_S + o_k[:, None] * V, mask=m_S, other=0.0)
+    if HAS_PENDING:
+        # the pending update is elementwise along K, so each block advances on its own
+        Kp = tl.load(pk + ((b * P + pr[None, :]) * H + i_h).to(tl.int64) * K + o_k[:, None],
+                     mask=mk[:, None] & livep[None, :], other=0.0).to(tl.float32)
+        S = Gam_P * S + tl.dot(Kp, WU, input_precision=PREC)
+        if flush:
+            tl.store(p_S + o_k[:, None] * V, S, mask=m_S)
+    return S
+
+
 @triton.jit(do_not_specialize=["n", "P"])
 def _products_kernel(
     q, k, state, pk, pg, pu, plen, ks, qs, kk, qk,
@@ -102,24 +119,21 @@ def _products_kernel(
                                       mask=livep[:, None] & mv[None, :], other=0.0).to(tl.float32)
             Gam_P = tl.exp(g_all)
             flush = n_live > 0  # an empty pending buffer leaves the state as it is
-        KQS = tl.zeros([2 * NT, BV], dtype=tl.float32)
-        for k0 in range(s * KW, s * KW + KW, BKC):
+        else:  # unused: the update is compiled out
+            pr, livep, WU, Gam_P, flush = None, None, None, None, None
+        # the state and its pending update are this layer's own: with PDL the first block is
+        # loaded, advanced and flushed while the prelude still writes the keys and queries. The
+        # wait sits before the block loop, whose loads Triton's pipeliner hoists ahead of it
+        o_k = s * KW + tl.arange(0, BKC)
+        S = _state_block(p_S, o_k, mv, b, i_h, pk, P, pr, livep, Gam_P, WU, flush, H, K, V, HAS_PENDING, PREC)
+        wait_previous(PDL)
+        b_kq = tl.load(p_kq[:, None] + o_k[None, :], mask=live2[:, None] & (o_k < K)[None, :], other=0.0)
+        KQS = tl.dot(b_kq.to(tl.float32), S, input_precision=PREC)
+        for k0 in range(s * KW + BKC, s * KW + KW, BKC):
             o_k = k0 + tl.arange(0, BKC)
-            mk = o_k < K
-            m_S = mk[:, None] & mv[None, :]
-            S = tl.load(p_S + o_k[:, None] * V, mask=m_S, other=0.0)
-            if HAS_PENDING:
-                # the pending update is elementwise along K, so each block advances on its own
-                Kp = tl.load(pk + ((b * P + pr[None, :]) * H + i_h).to(tl.int64) * K + o_k[:, None],
-                             mask=mk[:, None] & livep[None, :], other=0.0).to(tl.float32)
-                S = Gam_P * S + tl.dot(Kp, WU, input_precision=PREC)
-                if flush:
-                    tl.store(p_S + o_k[:, None] * V, S, mask=m_S)
-            # the state and its pending update are this layer's own: with PDL they are loaded,
-            # advanced and flushed while the prelude still writes the keys and queries
-            wait_previous(PDL)
-            b_kq = tl.load(p_kq[:, None] + o_k[None, :], mask=live2[:, None] & mk[None, :], other=0.0).to(tl.float32)
-            KQS = tl.dot(b_kq, S, KQS, input_precision=PREC)
+            S = _state_block(p_S, o_k, mv, b, i_h, pk, P, pr, livep, Gam_P, WU, flush, H, K, V, HAS_PENDING, PREC)
+            b_kq = tl.load(p_kq[:, None] + o_k[None, :], mask=live2[:, None] & (o_k < K)[None, :], other=0.0)
+            KQS = tl.dot(b_kq.to(tl.float32), S, KQS, input_precision=PREC)
         p_o = tl.where(isq, qs, ks)[:, None] + ((((b * HV + hv) * NKS + s) * NT + rr).to(tl.int64) * V)[:, None] \
             + o_v[None, :]
         tl.store(p_o, KQS, mask=live2[:, None] & mv[None, :])
