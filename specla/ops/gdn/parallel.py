@@ -36,6 +36,11 @@ The K-long matmuls use `tf32x3` (three TF32 products: ~fp32 accuracy on the tens
 k are fp32 after the prelude, and one TF32 pass was 6e-4 off the reference on the H200,
 parallel_split_variants_55d95ad_h200.json); the node-by-node products stay IEEE fp32.
 
+With programmatic dependent launch (`ops.pdl`, Hopper) a products program loads, advances and
+flushes its first state block before it waits for the prelude's keys and queries, and the solve
+loads the mask before it waits for the products; the first block is peeled off the block loop
+because Triton's pipeliner hoists a loop's loads above a wait inside it.
+
 `pending = (k, g, u, length)` (delayed update, SpecLA §5.2) is applied to each state block right
 after it is loaded, in the closed rank-P form Γ_P S + Σ_p (Γ_P/Γ_p) k_p u_pᵀ (one more matmul per
 block; node by node it would unroll P loads per block), and the advanced block is written

@@ -22,6 +22,9 @@ memory latency behind the recurrence.
 pending accepted path right after it is loaded, written back to `state` (the durable state now
 includes the previous round's commit), and verification continues from the advanced tile.
 
+With programmatic dependent launch (`ops.pdl`, chains and the serial pass) the tile is loaded,
+advanced and flushed before the program waits for the prelude that writes the nodes' inputs.
+
 `valid` [B] (chains and the serial tree pass): nodes j >= valid[b] are padding of a fixed-width
 verify (`drafters.base.pad_draft`); the recurrence stops there and their o and u are written as zeros.
 Nodes are visited in index order, so no real node depends on a padding node.
