@@ -650,3 +650,22 @@ def test_tree_shapes_reads_shapes_from_names():
     ar = lm.generate("Two plus two is", route="ar", max_new_tokens=12).tokens
     for name in mod.DEFAULT.split(","):
         assert lm.generate("Two plus two is", max_new_tokens=12, **mod.shape_options(name)).tokens == ar, name
+
+
+def test_pdl_check_drafts_follow_the_greedy_tokens(tmp_path):
+    """pdl_check's rounds accept the AR continuation they are fed (so its GPU run compares
+    rounds with multi-factor pending updates), and on the CPU both settings agree."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks/diagnostics/pdl_check.py"
+    spec = importlib.util.spec_from_file_location("pdl_check", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.first_child_path([-1, 0, 1, 1, 0, 2, 2]) == [0, 1, 2, 5]
+    out = tmp_path / "pdl.json"
+    assert mod.main(["--device", "cpu", "--shape", "tiny", "--steps", "30", "--rounds", "3", "--out", str(out)]) == 0
+    rows = {r["route"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["ar"]["tokens_per_call"] == 1
+    assert rows["chain12"]["tokens_per_call"] > 2 and rows["tree16"]["tokens_per_call"] > 2

@@ -45,12 +45,13 @@ def _target(model, max_len: int, budget: int, delayed: bool):
     return EagerTarget(model, 1, max_len)
 
 
-def round_runner(model, prompt, parents, rounds: int, delayed: bool = True):
+def round_runner(model, prompt, parents, rounds: int, delayed: bool = True, propose=None):
     """(draw, run) for up to `rounds` rounds after `prompt`: draw puts a random draft of the
     topology `parents` in buffers of its own, read where they are (`static`), as the loop reads
     a drafter graph's outputs (no staging copies); run is one round as the decode loop runs it
     (`GraphTarget.round`: verify, accept, settle, commit in one graph replay) plus reading its
-    report, the loop's one host read, which it returns."""
+    report, the loop's one host read, which it returns. propose: a function giving the draft
+    nodes' tokens [n - 1] instead of random ones."""
     n, dev = len(parents), model.device
     tgt = _target(model, len(prompt) + 4 * rounds * n + 64, n, delayed)
     tgt.prefill(torch.tensor([prompt[:-1]], device=dev))
@@ -61,6 +62,8 @@ def round_runner(model, prompt, parents, rounds: int, delayed: bool = True):
 
     def draw():
         tokens.copy_(torch.randint(0, model.cfg.vocab_size, (1, n), device=dev, generator=g))
+        if propose is not None:
+            tokens[0, 1:] = torch.as_tensor(propose(), device=dev)
         tokens[:, 0] = tgt.next_root
 
     def run():
