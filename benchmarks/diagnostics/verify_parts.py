@@ -39,9 +39,7 @@ PARALLEL_EDITS = {
     "full": [],
     "no_jacobi": [("for _ in range(1, depth):", "for _ in range(1, 1):")],
     "no_kk_qk": [("            KQK = tl.dot(b_kq, tl.trans(b_k), KQK, input_precision=PREC)\n", "")],
-    "no_ks_qs": [("        KQS = tl.dot(b_kq.to(tl.float32), S, input_precision=PREC)\n",
-                  "        KQS = tl.zeros([2 * NT, BV], dtype=tl.float32)\n"),
-                 ("            KQS = tl.dot(b_kq.to(tl.float32), S, KQS, input_precision=PREC)\n", "")],
+    "no_ks_qs": [("    return tl.dot(b_kq.to(tl.float32), S, acc, input_precision=PREC)\n", "    return acc\n")],
     "no_flush_store": [("        if flush:\n            tl.store(p_S + o_k[:, None] * V, S, mask=m_S)\n", "")],
 }
 

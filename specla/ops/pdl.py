@@ -52,3 +52,10 @@ def enabled(device: torch.device) -> bool:
     if os.environ.get("SPECLA_PDL", "1") == "0":
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def launch_options(device: torch.device, allowed: bool = True) -> dict:
+    """A launch's PDL arguments: the kernel's `PDL` constexpr and Triton's `launch_pdl`, on
+    together or off together (a kernel launched with PDL that never waits would race)."""
+    on = allowed and enabled(device)
+    return {"PDL": on, "launch_pdl": on}

@@ -44,6 +44,9 @@ def test_pdl_only_where_a_gpu_can(monkeypatch):
     monkeypatch.setattr(pdl, "_capable", lambda index: True)
     assert not pdl.enabled(torch.device("cpu"))
     assert pdl.enabled(torch.device("cuda", 0)) == (pdl.gdc_wait is not None)
+    on = pdl.gdc_wait is not None
+    assert pdl.launch_options(torch.device("cuda", 0)) == {"PDL": on, "launch_pdl": on}
+    assert pdl.launch_options(torch.device("cuda", 0), allowed=False) == {"PDL": False, "launch_pdl": False}
     monkeypatch.setenv("SPECLA_PDL", "0")
     assert not pdl.enabled(torch.device("cuda", 0))
     monkeypatch.setenv("SPECLA_PDL", "1")

@@ -250,7 +250,7 @@ def step_prelude(x, conv_state, weight, bias, a, b, A_log, dt_bias, num_heads: i
         x, conv_state, weight.contiguous(), bias if bias is not None else weight, a, b, A_log, dt_bias,
         q, k, v, g, beta, C, x.stride(0), a.stride(0), b.stride(0), H=H, HV=HV, K=K, V=V, W=W,
         WP=triton.next_power_of_2(W), BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V),
-        HAS_BIAS=bias is not None, NEG=neg_eigval, PDL=pdl.enabled(x.device), launch_pdl=pdl.enabled(x.device))
+        HAS_BIAS=bias is not None, NEG=neg_eigval, **pdl.launch_options(x.device))
     return q, k, v, g, beta
 
 
@@ -318,5 +318,5 @@ def tree_prelude(x, conv_state, weight, bias, parents, a, b, A_log, dt_bias, num
         a, b, A_log, dt_bias, q, k, v, g, beta, n, C, x.stride(0), x.stride(1), a.stride(0), a.stride(1),
         b.stride(0), b.stride(1), H=H, HV=HV, K=K, V=V, W=W, NB=NB,
         BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V), HAS_BIAS=bias is not None, NEG=neg_eigval,
-        PDL=pdl.enabled(x.device), num_warps=warps, launch_pdl=pdl.enabled(x.device))
+        num_warps=warps, **pdl.launch_options(x.device))
     return q, k, v, g, beta

@@ -63,10 +63,10 @@ import torch
 import triton
 import triton.language as tl
 
+from specla.ops import pdl
 from specla.ops.gdn.commit import pending_args, real_nodes
 from specla.ops.gdn.schedule import plan_for
 from specla.ops.gdn.serial import _rows
-from specla.ops import pdl
 from specla.ops.pdl import wait_previous
 
 
@@ -85,6 +85,13 @@ def _state_block(p_S, o_k, mv, b, i_h, pk, P, pr, livep, Gam_P, WU, flush, H: tl
         if flush:
             tl.store(p_S + o_k[:, None] * V, S, mask=m_S)
     return S
+
+
+@triton.jit
+def _kq_times(p_kq, o_k, live2, S, acc, K: tl.constexpr, PREC: tl.constexpr):
+    """acc + [K; Q] columns o_k times the state rows o_k."""
+    b_kq = tl.load(p_kq[:, None] + o_k[None, :], mask=live2[:, None] & (o_k < K)[None, :], other=0.0)
+    return tl.dot(b_kq.to(tl.float32), S, acc, input_precision=PREC)
 
 
 @triton.jit(do_not_specialize=["n", "P"])
@@ -132,13 +139,11 @@ def _products_kernel(
         o_k = s * KW + tl.arange(0, BKC)
         S = _state_block(p_S, o_k, mv, b, i_h, pk, P, pr, livep, Gam_P, WU, flush, H, K, V, HAS_PENDING, PREC)
         wait_previous(PDL)
-        b_kq = tl.load(p_kq[:, None] + o_k[None, :], mask=live2[:, None] & (o_k < K)[None, :], other=0.0)
-        KQS = tl.dot(b_kq.to(tl.float32), S, input_precision=PREC)
+        KQS = _kq_times(p_kq, o_k, live2, S, tl.zeros([2 * NT, BV], dtype=tl.float32), K, PREC)
         for k0 in range(s * KW + BKC, s * KW + KW, BKC):
             o_k = k0 + tl.arange(0, BKC)
             S = _state_block(p_S, o_k, mv, b, i_h, pk, P, pr, livep, Gam_P, WU, flush, H, K, V, HAS_PENDING, PREC)
-            b_kq = tl.load(p_kq[:, None] + o_k[None, :], mask=live2[:, None] & (o_k < K)[None, :], other=0.0)
-            KQS = tl.dot(b_kq.to(tl.float32), S, KQS, input_precision=PREC)
+            KQS = _kq_times(p_kq, o_k, live2, S, KQS, K, PREC)
         p_o = tl.where(isq, qs, ks)[:, None] + ((((b * HV + hv) * NKS + s) * NT + rr).to(tl.int64) * V)[:, None] \
             + o_v[None, :]
         tl.store(p_o, KQS, mask=live2[:, None] & mv[None, :])
@@ -253,18 +258,18 @@ def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, valid
     ks, qs = torch.empty(B, HV, NKS, NT, V, **f32), torch.empty(B, HV, NKS, NT, V, **f32)
     kk, qk = torch.empty(B, H, NKS, NT, NT, **f32), torch.empty(B, H, NKS, NT, NT, **f32)
     pk, pg, pu, plen, P, PP, has_pending = pending_args(pending, dev)
-    use_pdl = pdl.enabled(dev)
+    pdl_options = pdl.launch_options(dev)
     _products_kernel[(B * HV * (NV + 1), NKS)](
         q, k, state, pk, pg, pu, plen, ks, qs, kk, qk, n, P,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         H=H, HV=HV, K=K, V=V, BKC=BKC, KW=KW, BV=BV, NV=NV, NKS=NKS, NT=NT,
-        PD=max(16, triton.next_power_of_2(PP)), HAS_PENDING=has_pending, PREC=precision, PDL=use_pdl, num_warps=warps,
-        launch_pdl=use_pdl)
+        PD=max(16, triton.next_power_of_2(PP)), HAS_PENDING=has_pending, PREC=precision, num_warps=warps,
+        **pdl_options)
     o = torch.empty(B, n, HV, V, dtype=state.dtype, device=dev)
     u = torch.empty_like(o)
     _solve_kernel[(B * HV * NV,)](
         v, g.contiguous(), beta.contiguous(), o, u, mask, plen if valid is None else valid.contiguous(),
         ks, qs, kk, qk, scale, n, v.stride(0), v.stride(1),
-        H=H, HV=HV, V=V, BV=BV, NV=NV, NKS=NKS, NT=NT, HAS_VALID=valid is not None, PDL=use_pdl,
-        num_warps=solve_warps, launch_pdl=use_pdl)
+        H=H, HV=HV, V=V, BV=BV, NV=NV, NKS=NKS, NT=NT, HAS_VALID=valid is not None,
+        num_warps=solve_warps, **pdl_options)
     return o, u

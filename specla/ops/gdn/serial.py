@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from specla.ops.gdn.commit import advance_tile, decay_update, pending_args, real_nodes
 from specla.ops import pdl
+from specla.ops.gdn.commit import advance_tile, decay_update, pending_args, real_nodes
 from specla.ops.gdn.schedule import plan_for
 from specla.ops.pdl import wait_previous
 
@@ -140,7 +140,7 @@ def tree_verify_kernel(
         # this layer's own: loaded, advanced and flushed while the prelude still writes the inputs
         S = _durable_tile(p_S, m_S, b, hv, i_h, pk, pg, pu, plen, P, o_k, mk, o_v, mv, H, HV, K, V, PP, HAS_PENDING)
         wait_previous(PDL)
-    # the first node's inputs are requested before the state tile, so both loads overlap
+    # without PDL the first node's inputs are requested before the state tile, so both loads overlap
     p_q = q + b.to(tl.int64) * s_qb + i_h * K + o_k
     p_k = k + b.to(tl.int64) * s_kb + i_h * K + o_k
     p_v = v + b.to(tl.int64) * s_vb + hv * V + o_v
@@ -291,7 +291,7 @@ def launch(q, k, v, g, beta, state, parents, scale, pending, *, grid, tree, hybr
     pk, pg, pu, plen, P, PP, has_pending = pending_args(pending, dev)
     # the hybrid's and the paths' programs synchronise through flags and counters that the
     # launch before them zeroes: they wait for it whole
-    use_pdl = hybrid is None and paths is None and pdl.enabled(dev)
+    pdl_options = pdl.launch_options(dev, allowed=hybrid is None and paths is None)
     if hybrid is not None:
         sched = hybrid
     elif tree and paths is None:
@@ -309,7 +309,7 @@ def launch(q, k, v, g, beta, state, parents, scale, pending, *, grid, tree, hybr
         NP=triton.next_power_of_2(n) if tree else 1, PP=PP, TREE=tree and paths is None,
         HYBRID=hybrid is not None, PATHS=paths is not None,
         HAS_PENDING=has_pending, STORE_U=store_u, WRITE_FINAL=write_final, HAS_VALID=valid is not None,
-        PDL=use_pdl, num_warps=num_warps, launch_pdl=use_pdl)
+        num_warps=num_warps, **pdl_options)
     return o, u
 
 

@@ -43,5 +43,5 @@ def gated_rms_norm(o, z, weight, eps: float, act: str, out_dtype: torch.dtype):
     _gated_rms_norm_kernel[(B * n * HV,)](
         o, z if z is not None else o, weight, y, n, z.stride(0) if z is not None else 0,
         z.stride(1) if z is not None else 0, eps, HV=HV, V=V, BV=triton.next_power_of_2(V),
-        HAS_Z=z is not None, SIGMOID=act == "sigmoid", PDL=pdl.enabled(o.device), launch_pdl=pdl.enabled(o.device))
+        HAS_Z=z is not None, SIGMOID=act == "sigmoid", **pdl.launch_options(o.device))
     return y
