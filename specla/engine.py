@@ -28,7 +28,7 @@ from specla import acceptance, fused, graphs, ops
 from specla.drafters.base import pad_draft
 from specla.model import Model, ModelOutput
 from specla.ops.beam.naive import first_max
-from specla.state import Cache, GDNLayerState, commit_convs, store_pending
+from specla.state import Cache, GDNLayerState, commit_stacked
 
 # GraphTarget's prefill: a prompt shorter than SEQUENCE_FROM tokens goes as chains of
 # PREFILL_WIDTH tokens, each verified and committed in one graph replay; a longer one as plain
@@ -94,6 +94,13 @@ def settle(tokens, parents, valid, logits, hidden, acc, emitted, done, room, eos
     last = toks.gather(1, (count - 1).clamp(min=0)[:, None]).squeeze(1)
     next_root.copy_(torch.where(count > 0, last, next_root))
     return path_tokens, {i: h[rows, acc.path] for i, h in hidden.items()}, count, rep
+
+
+def greedy_settle(tokens, parents, valid, logits, hidden, emitted, done, room, eos, next_root):
+    """`acceptance.greedy`, then `settle`: (the accepted path, what `Round` holds) — a greedy
+    round's bookkeeping, which `GraphTarget` compiles as one region."""
+    acc = acceptance.greedy(tokens, parents, logits, valid)
+    return acc.path, settle(tokens, parents, valid, logits, hidden, acc, emitted, done, room, eos, next_root)
 
 
 class EagerTarget:
@@ -248,16 +255,20 @@ class GraphTarget(EagerTarget):
         self.records, self.verify_key = None, None
         self._prefill_buffers: dict = {}  # (mode, width) -> tokens, valid (+ a chain's parents, path)
         # greedy acceptance walks the nodes one by one (~8 small ops per node) and settling a
-        # round is ~40 more; beside a fused model both are compiled: a few kernels per graph
+        # round is ~40 more; beside a fused model both are compiled: a few kernels per graph,
+        # and a greedy round compiles them as one region, as it does its commit's stacked work
+        # (two regions where there were four: graph_timeline_d34f096_h100.json counted ~19
+        # small kernels after a round's verify)
         mode = fused.mode_of(model)
         self._accept, _ = fused.compile_for_graph(acceptance.greedy, mode)
         self._settle_fn, _ = fused.compile_for_graph(settle, mode)
+        self._greedy_settle, _ = fused.compile_for_graph(greedy_settle, mode)
         # eagerly the AR step's top-1 over the vocabulary was two 4.3 µs reductions (H200,
         # graph_timeline_a147b95_h200.json); compiled, as a round's acceptance is
         self._top1, _ = fused.compile_for_graph(first_max, mode)
-        self.cache.gather, _ = fused.compile_for_graph(store_pending, mode)
-        if mode is not None:  # uncompiled, the stacked commit is slower than the per-layer kernel
-            self.cache.commit_conv, _ = fused.compile_for_graph(commit_convs, mode)
+        self.cache.commit_tensors, _ = fused.compile_for_graph(commit_stacked, mode)
+        # uncompiled, the stacked conv commit is slower than the per-layer kernel
+        self.cache.stack_convs = mode is not None
         if self.delayed:  # pending buffers exist from the start so the verify graph reads them
             self.cache.reserve_pending(batch, self.path_nodes, (model.cfg.num_heads, model.cfg.head_dim))
 
@@ -431,9 +442,10 @@ class GraphTarget(EagerTarget):
         def run():
             tok, par, val = src
             out = self._model_verify(tok, par, capture, chain, val)
-            acc = self._accept(tok, par, out.logits, val)
-            settled = self._settle(tok, par, val, out.logits, out.hidden, acc)
-            self.cache.commit(out.records, self._accepted(acc.path), settled.count, self.delayed, chain)
+            path, settled = self._greedy_settle(tok, par, val, out.logits, out.hidden, self.emitted, self.done,
+                                                self.room, self.eos, self.next_root)
+            settled = Round(*settled)
+            self.cache.commit(out.records, self._accepted(path), settled.count, self.delayed, chain)
             return dataclasses.replace(settled, static=True)
 
         graph, outs = self.graphs.get(key) or self._capture(key, run)

@@ -112,20 +112,18 @@ class PendingBank:
         return all(records[i].k.shape[1] == n and records[i].u.shape[1] == n and records[i].g.shape[1] == n
                    for i in self.layers)
 
-    def store(self, records: list, path: torch.Tensor, length: torch.Tensor, chain: bool, gather) -> None:
-        """pending[i] <- records[i] gathered along path[b, :P] (front of the buffers), for all
-        member layers at once; the caller checked `fits`. chain: the caller promises
+    def store_args(self, records: list, path: torch.Tensor, chain: bool):
+        """`store_pending`'s arguments but the path and its length: (buffers, parts, chain), for
+        all member layers at once; the caller checked `fits`. chain: the caller promises
         path[b, :length[b]] = 0, 1, ... (a chain's accepted prefix), so a full-width path is the
         records as they are: stacked straight into the buffers, no gather (three launches of
-        ~5 us a chain round on the H200, rounds.json). gather: `store_pending` or its compiled
-        form (`Cache.gather`)."""
+        ~5 us a chain round on the H200, rounds.json)."""
         parts = [[getattr(records[i], name) for i in self.layers] for name in ("k", "g", "u")]
-        gather((self.k, self.g, self.u, self.length), parts, path, length,
-               chain and path.shape[1] == parts[0][0].shape[1] == self.nodes)
+        return (self.k, self.g, self.u, self.length), parts, chain and path.shape[1] == parts[0][0].shape[1] == self.nodes
 
 
 def store_pending(bufs, parts, path: torch.Tensor, length: torch.Tensor, chain: bool) -> None:
-    """`PendingBank.store` on its buffers (k, g, u [L, B, nodes, ...], length [L, B]): parts are
+    """A `PendingBank` store (`PendingBank.store_args`) on its buffers (k, g, u [L, B, nodes, ...], length [L, B]): parts are
     the member layers' k, g and u records [B, n, ...]. A pure function of tensors, so a fused
     target compiles it: Inductor writes each buffer with one kernel that reads the layers'
     records where they are, instead of a stack and a gather per factor (eager: 7 launches a tree
@@ -160,18 +158,30 @@ def commit_convs(conv: torch.Tensor, xs: list, path: torch.Tensor, length: torch
     conv.copy_(torch.where((t < W1)[None, :, None, :], old, new))
 
 
+def commit_stacked(bank, conv, path: torch.Tensor, length: torch.Tensor, total: torch.Tensor) -> None:
+    """A commit's work on stacked buffers as one pure function of tensors, which a fused target
+    compiles into a few kernels a round (four compiled regions and an eager add before,
+    ~10 launches): the pending bank's store (`store_pending`, bank = `PendingBank.store_args`
+    or None), the stacked conv states' advance (`commit_convs`, conv = (states, the layers'
+    records) or None) and the consumed-token count `total` += length."""
+    if bank is not None:
+        store_pending(bank[0], bank[1], path, length, bank[2])
+    if conv is not None:
+        commit_convs(conv[0], conv[1], path, length)
+    total.add_(length)
+
+
 class Cache:
     """Per-layer durable state plus `length` [B], the number of tokens each row has consumed.
 
     `bank`: a `PendingBank` holding the pending buffers of the GDN layers, once a delayed
-    commit needs them (built on the first delayed commit, or up front by `GraphTarget`);
-    `gather`: the function that stores into it (`store_pending`; `GraphTarget` compiles it
-    beside a fused target).
+    commit needs them (built on the first delayed commit, or up front by `GraphTarget`).
     `conv`: the GDN layers' conv states stacked [L, B, C, W-1] (each layer's `conv` a view of
-    it) when their shapes agree; `commit_conv`, when set (`GraphTarget` beside a fused target:
-    `commit_convs` compiled), advances them together. Otherwise each layer's is advanced by
-    its own kernel (eagerly, the stacked function's 24 gathers took twice as long as the 24
-    Triton launches on an H100).
+    it) when their shapes agree; with `stack_convs` (`GraphTarget` beside a fused target) a
+    commit advances them together, otherwise each layer's by its own kernel (eagerly, the
+    stacked function's 24 gathers took twice as long as the 24 Triton launches on an H100).
+    `commit_tensors`: what runs the commit's work on those stacked buffers (`commit_stacked`;
+    `GraphTarget` compiles it beside a fused target).
     `clean`: host-side knowledge that no layer holds a pending update (the cache was just
     emptied or flushed), so `flush` launches nothing: a prefill after `Target.reset` would
     otherwise run three launches a layer to apply empty updates. Every delayed commit clears
@@ -183,11 +193,12 @@ class Cache:
         self.layers = layers
         self.length = length
         self.bank: PendingBank | None = None
-        self.gather = store_pending
+        self.commit_tensors = commit_stacked
+        self.stack_convs = False
         self.clean = False
         self.conv_layers = [i for i, s in enumerate(layers) if isinstance(s, GDNLayerState) and s.conv is not None]
         convs = [layers[i].conv for i in self.conv_layers]
-        self.conv, self.commit_conv = None, None
+        self.conv = None
         if len(convs) > 1 and len({(c.shape, c.dtype, c.device) for c in convs}) == 1:
             self.conv = torch.stack(convs)
             for i, c in zip(self.conv_layers, self.conv):
@@ -246,7 +257,7 @@ class Cache:
     def commit(self, records: list, path: torch.Tensor, length: torch.Tensor, delayed: bool = False,
                chain: bool = False) -> None:
         """Consume the nodes path[b, :length[b]] (root first) of the last verify round; chain:
-        the round verified a chain, so that path is 0, 1, ... (`PendingBank.store`).
+        the round verified a chain, so that path is 0, 1, ... (`PendingBank.store_args`).
 
         Conv state and KV caches advance now (they are tiny); the GDN state advances now, or,
         when `delayed`, at the next verify or flush. The verify that produced `records`
@@ -267,11 +278,7 @@ class Cache:
                 bank = self.make_bank(records, path.shape[0], path.shape[1])
                 if bank is not None and not bank.fits(records, path):
                     bank = None
-            if bank is not None:
-                bank.store(records, path, length, chain, self.gather)
-        together = self.conv is not None and self.commit_conv is not None
-        if together:
-            self.commit_conv(self.conv, [records[i].x for i in self.conv_layers], path, length)
+        together = self.conv is not None and self.stack_convs
         for s, rec in zip(self.layers, records):
             if isinstance(s, GDNLayerState):
                 if s.conv is not None and not together:
@@ -282,8 +289,10 @@ class Cache:
                 else:
                     ops.gdn_commit(s.S, rec.k, rec.g, rec.u, path, length)
             else:
-                _commit_kv(s, rec, path, length, self.length)
-        self.length.add_(length)
+                _commit_kv(s, rec, path, length, self.length)  # before `length` moves on
+        self.commit_tensors(None if bank is None else bank.store_args(records, path, chain),
+                            (self.conv, [records[i].x for i in self.conv_layers]) if together else None,
+                            path, length, self.length)
 
     def clone(self) -> "Cache":
         layers = []

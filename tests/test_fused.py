@@ -236,7 +236,10 @@ def test_compiled_decode_greedy_tokens_equal(tiny_fp32):
 @needs_cxx
 def test_graphed_fused_ar_tokens_equal_plain(tiny_fp32, monkeypatch):
     """The decode loop's graphed target beside a compiled fused model (CUDA graphs emulated):
-    its AR steps — compiled top-1, settle and commit — emit the plain eager path's tokens."""
+    its AR steps — compiled top-1, settle and commit — and its chain and tree rounds — compiled
+    acceptance and settling in one region, the commit's stacked work in another — emit the
+    plain eager path's tokens."""
+    from drafters import OracleTreeDrafter
     from graph_emulation import emulate_graphs
 
     from specla.ops.beam.naive import first_max
@@ -250,11 +253,15 @@ def test_graphed_fused_ar_tokens_equal_plain(tiny_fp32, monkeypatch):
     targets: dict = {}
     try:
         graphed = Decoder(model, graphs=True, targets=targets).generate(prompt, 16).tokens
+        chain = Decoder(model, ChainOracle(prompt + ar, model.cfg.vocab_size, length=5), graphs=True).generate(prompt, 16)
+        tree = Decoder(model, OracleTreeDrafter([prompt + ar], model.cfg.vocab_size, max_nodes=6, seed=1),
+                       graphs=True).generate(prompt, 16)
     finally:
         fuse(model, False)
     (target,) = targets.values()
     assert type(target).__name__ == "GraphTarget" and target._top1 is not first_max  # the compiled top-1 ran
-    assert graphed == ar
+    assert graphed == chain.tokens == tree.tokens == ar
+    assert chain.mean_accepted_length > 1.5 and tree.mean_accepted_length > 1.2
 
 
 @needs_cxx
@@ -377,13 +384,15 @@ def test_compiled_top1_equals_torch_max():
 
 @needs_cxx
 def test_compiled_settle_equals_eager():
-    """`GraphTarget` compiles a round's settling beside a fused model: the same path tokens,
+    """`GraphTarget` compiles a round's settling beside a fused model, alone and after greedy
+    acceptance in one region (`greedy_settle`, a greedy round's): the same path, path tokens,
     hidden states, counts, report and buffer updates as eager, with EOS hits, budgets running
     out and rows already done."""
     from specla import acceptance, fused
-    from specla.engine import settle
+    from specla.engine import greedy_settle, settle
 
     compiled_settle, _ = fused.compile_for_graph(settle, "default")
+    compiled_round, _ = fused.compile_for_graph(greedy_settle, "default")
     g = torch.Generator().manual_seed(1)
     B, n, V, D = 3, 7, 12, 4
     for _ in range(4):
@@ -403,3 +412,8 @@ def test_compiled_settle_equals_eager():
         for x, y in zip([want[0], want[2], want[3], *a_bufs], [got[0], got[2], got[3], *b_bufs]):
             assert torch.equal(x, y)
         assert torch.equal(want[1][2], got[1][2])
+        c_bufs = [t.clone() for t in bufs]
+        path, got = compiled_round(tokens, parents, valid, logits, hidden, *c_bufs)
+        assert torch.equal(path, acc.path)
+        for x, y in zip([want[0], want[1][2], want[2], want[3], *a_bufs], [got[0], got[1][2], got[2], got[3], *c_bufs]):
+            assert torch.equal(x, y)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specla.fused import fuse
-from specla.state import GDNLayerState, store_pending
+from specla.state import GDNLayerState, commit_stacked
 
 from conftest import random_model, tiny_config
 
@@ -28,7 +28,7 @@ def test_bank_store_equals_per_layer(P, compiled):
     length = torch.tensor([3, 2])
     ref = cache.clone()
     if compiled:
-        cache.gather = torch.compile(store_pending, fullgraph=True, dynamic=False)
+        cache.commit_tensors = torch.compile(commit_stacked, fullgraph=True, dynamic=False)
     cache.make_bank(out.records, 2, 6)
     cache.commit(out.records, path, length, delayed=True)
     assert cache.bank is not None and cache.bank.attached(cache)
@@ -90,7 +90,7 @@ def test_chain_store_equals_the_gather(compiled):
     path, length = torch.tensor([[0, 1, 2, 0, 0, 0], [0, 1, 2, 3, 4, 0]]), torch.tensor([3, 5])
     ref = cache.clone()
     if compiled:
-        cache.gather = torch.compile(store_pending, fullgraph=True, dynamic=False)
+        cache.commit_tensors = torch.compile(commit_stacked, fullgraph=True, dynamic=False)
     cache.make_bank(out.records, 2, 6)
     cache.commit(out.records, path, length, delayed=True, chain=True)
     for st, rec in zip(ref.layers, out.records):

@@ -45,8 +45,8 @@ def test_rounds_through_the_stacked_commit_equal_per_layer_commits():
     g = torch.Generator().manual_seed(3)
     cache = model.new_cache(2, 64)
     model.forward(torch.randint(0, model.cfg.vocab_size, (2, 5), generator=g), cache)
-    ref = cache.clone()  # the per-layer kernels (no commit_conv)
-    cache.commit_conv = commit_convs
+    ref = cache.clone()  # the per-layer kernels (no stack_convs)
+    cache.stack_convs = True
     parents = torch.tensor([[-1, 0, 1, 0, 3, 1], [-1, 0, 0, 1, 2, 4]])
     for path, length in ((torch.tensor([[0, 3, 4], [0, 1, 3]]), torch.tensor([3, 2])),
                          (torch.tensor([[0, 1, 2], [0, 2, 4]]), torch.tensor([1, 3]))):
