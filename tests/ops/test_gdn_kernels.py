@@ -591,3 +591,64 @@ def test_parallel_widest_block_and_padding(poison):
         close(u, ru, "u")
         close(S_out, S_ref, "state")
         assert not o[1, 20:].any() and not u[1, 20:].any()
+
+
+@settings(max_examples=12, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(n=st.integers(1, 40), kinds=st.tuples(st.sampled_from(KINDS), st.sampled_from(KINDS)),
+       heads=st.sampled_from([(1, 1), (1, 2), (2, 4)]), V=st.sampled_from([16, 40]),
+       gate=st.sampled_from([None, "silu", "sigmoid"]), strided=st.booleans(), bf16=st.booleans(),
+       tiling=st.sampled_from([None, (16, 32, 16, 2, 2)]), cut=st.integers(0, 40), seed=st.integers(0, 2**16))
+def test_parallel_with_the_output_norm(n, kinds, heads, V, gate, strided, bf16, tiling, cut, seed, poison):
+    """norm=: the last V-tile of each head to finish applies the gated output norm in the solve
+    launch: equal to the reference verify then the reference norm (padding past a random valid
+    count gives zeros), u unchanged, and the tickets zeroed again for the next launch. One to
+    three V-tiles a head (V = 16 or 40, tiles of 16 or 32)."""
+    from specla.ops import counters
+    from specla.ops.norm import naive as norm_ref
+
+    (H, HV), B, K = heads, 2, 32
+    par = torch.tensor([parents_of(kinds[b], n, seed + b) for b in range(B)])
+    q, k, v, g, beta, S = inputs(B, n, H, HV, K, V, seed)
+    pend = pending_of(B, 2, H, HV, K, V, seed)
+    valid = torch.tensor([n, min(cut, n)])
+    gen = torch.Generator().manual_seed(seed)
+    out_dtype = torch.bfloat16 if bf16 else torch.float32
+    wide = torch.randn(B, n, HV * V + 5, generator=gen).to(out_dtype)
+    z = None if gate is None else (wide[..., 5:] if strided else wide[..., :HV * V].contiguous())
+    w = torch.randn(V, generator=gen).to(out_dtype)
+    norm = (z, w, 1e-6, gate or "silu", out_dtype)
+    S_ref, S_out = S.clone(), S.clone()
+    ro, ru = naive.gdn_tree_verify(q, k, v, g, beta, S_ref, par, K ** -0.5, pend, valid)
+    ry = norm_ref.gated_rms_norm(ro, *norm)
+    for _ in range(2):  # the second launch finds its tickets re-armed
+        S_out.copy_(S)
+        y, u = parallel.gdn_tree_verify(q, k, v, g, beta, S_out, par, K ** -0.5, pend, valid, norm, tiling=tiling)
+        assert y.shape == (B, n, HV * V) and y.dtype == out_dtype
+        if bf16:  # one bf16 rounding of the result: at most one ulp apart
+            assert ((y.float() - ry.float()).abs() <= 2 ** -7 * ry.float().abs() + 1e-6).all()
+        else:
+            close(y, ry, "y")
+        close(u, ru, "u")
+        close(S_out, S_ref, "state")
+        assert not y[1, min(cut, n):].any()
+        assert not counters.zeroed(S.device, B * HV)[:B * HV].any()
+
+
+@pytest.mark.parametrize("route", ["chain", "paths", "parallel", "serial", "hybrid"])
+def test_dispatch_with_the_norm_equals_verify_then_norm(route, monkeypatch):
+    """ops.gdn_tree_verify(norm=...) returns what the route's verify followed by
+    ops.gated_rms_norm returns, whichever verifier takes the topology."""
+    monkeypatch.setattr(ops, "TREE_VERIFIER", route if route != "chain" else "auto")
+    B, n, H, HV, K, V = 1, 9, 1, 2, 16, 16
+    par = torch.tensor([list(range(-1, n - 1)) if route == "chain" else parents_of("beam", n, 3)])
+    q, k, v, g, beta, S = inputs(B, n, H, HV, K, V, 4)
+    z, w = torch.randn(B, n, HV * V), torch.randn(V)
+    norm = (z, w, 1e-6, "silu", torch.float32)
+    with ops.backend("triton"):
+        S1, S2 = S.clone(), S.clone()
+        o, u = ops.gdn_tree_verify(q, k, v, g, beta, S1, par, K ** -0.5)
+        want = ops.gated_rms_norm(o, *norm)
+        y, u2 = ops.gdn_tree_verify(q, k, v, g, beta, S2, par, K ** -0.5, norm=norm)
+    close(y, want, route)
+    assert torch.equal(u, u2)
