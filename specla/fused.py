@@ -15,8 +15,7 @@ calls through this module instead:
       [residual add + attn RMSNorm + in_proj + short conv + silu + l2norm(q|k) + g + beta]   (prefill)
       [residual add + attn RMSNorm + in_proj] -> ops.tree_prelude (tree conv, silu, factors)  (verify)
         (without Triton, or for an fp64 or low-precision state: ops.tree_conv -> [silu'd conv out -> factors])
-      ops.gdn_sequence -> ops.gated_rms_norm, or ops.gdn_tree_verify with the norm     (Triton)
-        (the parallel verifier applies it in its own launch)
+      ops.gdn_sequence / ops.gdn_tree_verify -> ops.gated_rms_norm                (Triton)
       [o_proj + residual add + MLP RMSNorm + gate|up + SwiGLU + down]
       ... next layer's first region adds the MLP output to the residual ...
       [residual add + final RMSNorm + LM head]
@@ -510,15 +509,14 @@ class FusedModel:
                 xp = None
             if want is not None:
                 hidden[want] = x
-            norm = (z, mix.o_norm_weight, mix.cfg.norm_eps, mix.cfg.gate_activation, x.dtype)
             if parents is None:
                 o = ops.gdn_sequence(q, k, v, g, beta, st.S, mix.scale, chunked=valid is not None)
-                y = ops.gated_rms_norm(o, *norm)
-            else:  # the output norm too: the parallel verifier applies it in its own launch
-                y, u = ops.gdn_tree_verify(q, k, v, g, beta, st.S, parents, mix.scale, st.pending, chain, valid, norm)
+            else:
+                o, u = ops.gdn_tree_verify(q, k, v, g, beta, st.S, parents, mix.scale, st.pending, chain, valid)
                 if st.pending is not None and i not in banked:  # folded into S by the verify
                     st.pending[3].zero_()
                 records.append(GDNRecord(x=xp if st.conv is not None else None, k=k, g=g, u=u))
+            y = ops.gated_rms_norm(o, z, mix.o_norm_weight, mix.cfg.norm_eps, mix.cfg.gate_activation, x.dtype)
             mark(y, x)
             x, r = lay.post_call(y, x)
             want = i if i in capture else None

@@ -10,8 +10,7 @@ tiling of `SPLIT_TILINGS` and every given copy of `ops/gdn/parallel.py` (`--vari
 NAME=FILE`, at its own default tiling), on a 13-node chain and Table 1's beam trees of 16 and
 32 drafts (17 and 33 nodes), with a pending update of 5 accepted factors in a 9-row buffer
 (the runtime's) and without one. Every variant's o and u are compared with the reference first
-and the relative error recorded; the installed module's must be under 1e-4. Then the shipped
-verify followed by the output norm's own kernel against the verify applying it (norm=).
+and the relative error recorded; the installed module's must be under 1e-4.
 
     TRITON_INTERPRET=1 python benchmarks/diagnostics/parallel_split.py     # CPU smoke test (tiny shape)
     python benchmarks/diagnostics/parallel_split.py --variant old=FILE [--out FILE]
@@ -82,48 +81,12 @@ def main(argv=None) -> int:
                 # the shipped kernel must be exact to fp32 rounding; a variant may be inexact on
                 # purpose (single-pass TF32 as a bound): its error is recorded beside its time
                 assert name != "current" or err < 1e-4, f"{tiling}: o/u off the reference by {err:.1e}"
-            rows += _with_norm(b, layers, par, pend, pname, S0, ro, ru, n, cuda)
     if a.out and cuda:
         with open(a.out, "w") as f:
             json.dump({**environment(), "layers": a.layers, "shape": {"H": H, "HV": HV, "K": K, "V": V},
                        "tilings": "(BV, KW, BKC, products' warps, solve's warps)",
                        "note": __doc__.splitlines()[0], "rows": rows}, f, indent=1)
     return 0
-
-
-def _with_norm(b, layers, par, pend, pname, S0, ro, ru, n, cuda) -> list[dict]:
-    """The output norm after the shipped verify: its own kernel (`ops.norm`) against the solve
-    launch's (norm=), on bf16 gates and weights; the fused output compared with the reference's."""
-    from specla.ops.norm import naive as norm_ref
-    from specla.ops.norm import triton as norm_triton
-
-    HV, V, K = b.HV, b.V, b.K
-    g = torch.Generator(device=b.device).manual_seed(n)
-    z = torch.randn(1, n, HV * V, device=b.device, generator=g).to(torch.bfloat16)
-    norm = (z, torch.randn(V, device=b.device, generator=g).to(torch.bfloat16), 1e-6, "silu", torch.bfloat16)
-    q, k, v, gl, beta, _ = layers[0]
-    ry = norm_ref.gated_rms_norm(ro, *norm[:4], torch.float32)  # so y is off by its own rounding only
-    y, u = parallel.gdn_tree_verify(q, k, v, gl, beta, S0.clone(), par, K ** -0.5, pend, None, norm)
-    err = max(float((y.float() - ry).abs().max() / ry.abs().max()), float((u - ru).abs().max() / ru.abs().max()))
-    assert err < 2 ** -7, f"fused norm off the reference by {err:.1e}"
-
-    def separate(pend=pend):
-        for q, k, v, gl, beta, S in layers:
-            o, _ = parallel.gdn_tree_verify(q, k, v, gl, beta, S, par, K ** -0.5, pend)
-            norm_triton.gated_rms_norm(o, *norm)
-
-    def fused(pend=pend):
-        for q, k, v, gl, beta, S in layers:
-            parallel.gdn_tree_verify(q, k, v, gl, beta, S, par, K ** -0.5, pend, None, norm)
-
-    out = []
-    for name, fn in (("then norm", separate), ("with norm", fused)):
-        us = graph_time_ms(fn, cuda) * 1e3 / b.layers
-        out.append({"nodes": n, "pending": pname, "variant": f"current {name}", "tiling": "default",
-                    "us_per_layer": us, "rel_err": err if name == "with norm" else None})
-        print(f"{n} nodes  {pname:11s} current {name:9s} {us:7.2f} µs a layer"
-              f"{'' if cuda else ' (interpreter: no timing)'}  rel err (bf16 out) {err:.1e}")
-    return out
 
 
 if __name__ == "__main__":

@@ -138,43 +138,19 @@ CHUNK_MIN_TOKENS = 512
 CHUNK_TOKENS = 64
 
 
-def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, chain=False, valid=None, norm=None):
+def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, chain=False, valid=None):
     """chain: the caller promises parents[:, j] = j - 1, which sends the verify to the serial
     kernel's chain mode without looking at the parents (inside a CUDA-graph capture it could
     not look). valid [B]: real nodes per row, the rest padding whose outputs nobody reads
-    (`naive.gdn_tree_verify`); the serial and parallel kernels stop there. norm: (z, weight,
-    eps, act, out_dtype): return the output norm of o (`gated_rms_norm`) in its place, which the
-    parallel verifier applies inside its own launch."""
-    kind = _tree_kind(k, v, state, parents, chain)
-    if kind == "reference":
-        o, u = gdn_ref.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, valid)
-    else:
-        from specla.ops.gdn import hybrid, parallel, paths, serial
-
-        if kind == "parallel":
-            return parallel.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, valid, norm)
-        if kind == "chain":
-            o, u = serial.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, valid, chain=True,
-                                          **TILING)
-        elif kind == "paths":
-            o, u = paths.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, valid, **TILING)
-        elif kind == "serial":
-            o, u = serial.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, valid, **TILING)
-        else:  # not the in-kernel serial fallback (schedule="auto"), which the H200 timed 1.7-1.9x
-            # slower on 16-node trees in graph replay (kernels.json, hybrid_auto_ms)
-            o, u = hybrid.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, **TILING)
-    return (o, u) if norm is None else (gated_rms_norm(o, *norm), u)
-
-
-def _tree_kind(k, v, state, parents, chain) -> str:
-    """The verifier a topology takes: reference, chain, paths, parallel, serial or hybrid."""
+    (`naive.gdn_tree_verify`); the serial and parallel kernels stop there."""
     if not _gdn_triton(state):
-        return "reference"
-    from specla.ops.gdn import schedule
+        return gdn_ref.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, valid)
+    from specla.ops.gdn import hybrid, parallel, paths, schedule, serial
 
     plan = None if chain else schedule.plan_for(parents)
     if chain or plan.is_chain(parents):
-        return "chain"
+        return serial.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, valid, chain=True,
+                                      **TILING)
     n = parents.shape[1]
     kind = "auto" if _exact else TREE_VERIFIER
     if kind == "auto" and not _exact:
@@ -183,12 +159,20 @@ def _tree_kind(k, v, state, parents, chain) -> str:
             kind = "paths"
         elif n <= PARALLEL_MAX_NODES and min(k.shape[3], v.shape[3]) >= 16:
             kind = "parallel"
+    if kind == "paths":
+        return paths.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, valid, **TILING)
+    if kind == "parallel":
+        return parallel.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, valid)
     if kind == "auto":
         prefer = plan.prefer_serial(parents)
         if prefer is None:  # inside a capture: decided by size (module docstring)
             prefer = n <= CAPTURED_SERIAL_MAX_NODES
         kind = "serial" if prefer else "hybrid"
-    return kind
+    if kind == "serial":
+        return serial.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, valid, **TILING)
+    # not the in-kernel serial fallback (schedule="auto"), which the H200 timed 1.7-1.9x slower
+    # on 16-node trees in graph replay (kernels.json, hybrid_auto_ms)
+    return hybrid.gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending, **TILING)
 
 
 def ancestor_closure(parents, width=None):

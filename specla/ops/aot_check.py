@@ -19,7 +19,7 @@ import tempfile
 
 POINTERS = {
     "parents": "*i64", "chain_nodes": "*i32", "chain_len": "*i32", "light": "*i32", "n_chains": "*i32",
-    "flags": "*i32", "counters": "*i32", "tickets": "*i32", "table": "*i32", "path_len": "*i32", "n_leaves": "*i32", "cand_i": "*i32", "tok": "*i64", "beams": "*i64",
+    "flags": "*i32", "counters": "*i32", "table": "*i32", "path_len": "*i32", "n_leaves": "*i32", "cand_i": "*i32", "tok": "*i64", "beams": "*i64",
     "plen": "*i64", "valid": "*i64", "path": "*i64", "length": "*i64", "tokens": "*i64", "target": "*i64",
     "last": "*i64", "root": "*i64", "depth": "*i64", "out_tok": "*i64", "out_par": "*i64", "slots": "*i32",
     "allowed": "*u8", "x": "*bf16", "norm_w": "*bf16", "res": "*bf16", "emb_table": "*bf16", "h": "*bf16", "src": "*i64",
@@ -61,10 +61,8 @@ def variants(H=8, HV=8, K=256, V=256):
             yield (f"parallel products{'+pending' if pending else ''} {tiling} w={warps}", parallel._products_kernel,
                    dict(H=H, HV=HV, K=K, V=V, BKC=BKC, KW=KW, BV=BV, NV=V // BV, NKS=K // KW, NT=NT, PD=16,
                         HAS_PENDING=pending, PREC="tf32x3"), warps)
-        for normed in (False, True):
-            yield (f"parallel solve{'+norm' if normed else ''} {tiling} w={solve_warps}", parallel._solve_kernel,
-                   dict(H=H, HV=HV, V=V, BV=BV, NV=V // BV, NKS=K // KW, NT=NT, HAS_VALID=True, NORM=normed, VP=V,
-                        HAS_Z=normed, SIGMOID=False), solve_warps)
+        yield (f"parallel solve {tiling} w={solve_warps}", parallel._solve_kernel,
+               dict(H=H, HV=HV, V=V, BV=BV, NV=V // BV, NKS=K // KW, NT=NT, HAS_VALID=True), solve_warps)
     for BV in (16, 32):
         yield (f"commit BV={BV}", commit._commit_kernel,
                dict(H=H, HV=HV, K=K, V=V, BK=K, BV=BV, NV=V // BV, PP=16), 4)

@@ -63,11 +63,10 @@ import torch
 import triton
 import triton.language as tl
 
-from specla.ops import counters, pdl
+from specla.ops import pdl
 from specla.ops.gdn.commit import pending_args, real_nodes
 from specla.ops.gdn.schedule import plan_for
 from specla.ops.gdn.serial import _rows
-from specla.ops.norm.triton import gated_norm_rows, gated_rms_norm
 from specla.ops.pdl import wait_previous
 
 
@@ -167,11 +166,10 @@ def _products_kernel(
 
 @triton.jit(do_not_specialize=["n"])
 def _solve_kernel(
-    v, g, beta, o, u, mask, valid, ks, qs, kk, qk, z, weight, y, tickets,
-    scale, n, s_vb, s_vn, s_zb, s_zn, eps,
+    v, g, beta, o, u, mask, valid, ks, qs, kk, qk,
+    scale, n, s_vb, s_vn,
     H: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, NKS: tl.constexpr,
-    NT: tl.constexpr, HAS_VALID: tl.constexpr, NORM: tl.constexpr, VP: tl.constexpr, HAS_Z: tl.constexpr,
-    SIGMOID: tl.constexpr, PDL: tl.constexpr,
+    NT: tl.constexpr, HAS_VALID: tl.constexpr, PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b, hv, vt = pid // (HV * NV), (pid // NV) % HV, pid % NV
@@ -219,17 +217,6 @@ def _solve_kernel(
     p_out = ((b * n + rows[:, None]) * HV + hv).to(tl.int64) * V + o_v[None, :]
     tl.store(o + p_out, tl.where(real[:, None], O, 0.0), mask=m_o)
     tl.store(u + p_out, tl.where(real[:, None], U, 0.0), mask=m_o)
-    if NORM:
-        # the last of the head's V-tiles to finish applies the output norm to the whole head
-        # (it needs every tile's outputs): a launch less than a norm kernel after the verify.
-        # Each tile's stores are ordered before its count (barrier, then a release), the last
-        # tile's loads after it (acquire), and the count is zeroed for the next launch
-        tl.debug_barrier()
-        ticket = tl.atomic_add(tickets + b * HV + hv, 1, sem="acq_rel")
-        if ticket == NV - 1:
-            tl.debug_barrier()
-            gated_norm_rows(o, z, weight, y, b, hv, n, s_zb, s_zn, eps, HV, V, VP, HAS_Z, SIGMOID)
-            tl.atomic_xchg(tickets + b * HV + hv, 0, sem="relaxed")
 
 
 # NT -> (BV, KW, BKC, products' warps, solve's warps): KW, the K columns a products program
@@ -248,13 +235,10 @@ def padded_nodes(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, valid=None, norm=None, *,
+def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, valid=None, *,
                     tiling: tuple[int, int, int, int, int] | None = None, precision: str = "tf32x3"):
     """Same contract as `naive.gdn_tree_verify` (fp32 state; K, V >= 16; n <= MAX_NODES). tiling:
-    (BV, KW, BKC, products' warps, solve's warps), default `TILINGS` for the padded node count.
-    norm: (z, weight, eps, act, out_dtype), `gated_rms_norm`'s arguments but o: the output
-    norm is applied in the solve launch (by the last V-tile of each head to finish) and the
-    normed output [B, n, HV·V] returned in o's place."""
+    (BV, KW, BKC, products' warps, solve's warps), default `TILINGS` for the padded node count."""
     B, n, HV, V = v.shape
     H, K = k.shape[2], k.shape[3]
     if K < 16 or V < 16:
@@ -283,18 +267,9 @@ def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, valid
         **pdl_options)
     o = torch.empty(B, n, HV, V, dtype=state.dtype, device=dev)
     u = torch.empty_like(o)
-    tickets = counters.zeroed(dev, B * HV) if norm is not None else None
-    z, weight, eps, act, out_dtype = norm if tickets is not None else (None, o, 0.0, "silu", None)
-    if z is not None and z.stride(-1) != 1:
-        z = z.contiguous()
-    y = o if tickets is None else torch.empty(B, n, HV * V, dtype=out_dtype, device=dev)
     _solve_kernel[(B * HV * NV,)](
         v, g.contiguous(), beta.contiguous(), o, u, mask, plen if valid is None else valid.contiguous(),
-        ks, qs, kk, qk, o if z is None else z, weight, y, o if tickets is None else tickets,
-        scale, n, v.stride(0), v.stride(1), 0 if z is None else z.stride(0), 0 if z is None else z.stride(1), eps,
-        H=H, HV=HV, V=V, BV=BV, NV=NV, NKS=NKS, NT=NT, HAS_VALID=valid is not None, NORM=tickets is not None,
-        VP=triton.next_power_of_2(V), HAS_Z=z is not None, SIGMOID=act == "sigmoid",
+        ks, qs, kk, qk, scale, n, v.stride(0), v.stride(1),
+        H=H, HV=HV, V=V, BV=BV, NV=NV, NKS=NKS, NT=NT, HAS_VALID=valid is not None,
         num_warps=solve_warps, **pdl_options)
-    if norm is not None and tickets is None:  # inside a capture before any counters were made
-        return gated_rms_norm(o, *norm), u
-    return y, u
+    return o, u

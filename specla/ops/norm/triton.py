@@ -14,18 +14,6 @@ from specla.ops.pdl import wait_previous
 
 
 @triton.jit
-def _gated(ov, w, zv, eps, V: tl.constexpr, HAS_Z: tl.constexpr, SIGMOID: tl.constexpr):
-    """rmsnorm(o) · w · act(z) of rows of ov (the last axis a head's V outputs, zero-padded)."""
-    yv = ov * tl.expand_dims(tl.rsqrt(tl.sum(ov * ov, -1) / V + eps), -1) * w
-    if HAS_Z:
-        if SIGMOID:
-            yv = yv * tl.sigmoid(zv)
-        else:
-            yv = yv * (zv * tl.sigmoid(zv))
-    return yv
-
-
-@triton.jit
 def _gated_rms_norm_kernel(o, z, weight, y, n, s_zb, s_zn, eps, HV: tl.constexpr, V: tl.constexpr,
                            BV: tl.constexpr, HAS_Z: tl.constexpr, SIGMOID: tl.constexpr, PDL: tl.constexpr):
     wait_previous(PDL)  # o is the verify's, just before
@@ -34,33 +22,15 @@ def _gated_rms_norm_kernel(o, z, weight, y, n, s_zb, s_zn, eps, HV: tl.constexpr
     c = tl.arange(0, BV)
     m = c < V
     ov = tl.load(o + row.to(tl.int64) * V + c, mask=m, other=0.0).to(tl.float32)
-    zv = ov
+    yv = ov * tl.rsqrt(tl.sum(ov * ov) / V + eps) * tl.load(weight + c, mask=m, other=0.0).to(tl.float32)
     if HAS_Z:
         zv = tl.load(z + (bt // n).to(tl.int64) * s_zb + (bt % n) * s_zn + hv * V + c, mask=m, other=0.0)
-    w = tl.load(weight + c, mask=m, other=0.0).to(tl.float32)
-    yv = _gated(ov[None, :], w[None, :], zv.to(tl.float32)[None, :], eps, V, HAS_Z, SIGMOID)
-    tl.store(y + row.to(tl.int64) * V + c[None, :], yv.to(y.dtype.element_ty), mask=m[None, :])
-
-
-@triton.jit
-def gated_norm_rows(o, z, weight, y, b, hv, n, s_zb, s_zn, eps, HV: tl.constexpr, V: tl.constexpr,
-                    VP: tl.constexpr, HAS_Z: tl.constexpr, SIGMOID: tl.constexpr):
-    """The norm of value head hv's outputs for tokens 0..n-1 of batch row b, 16 tokens at a time,
-    inside another kernel (o and y laid out as `gated_rms_norm`'s): o is read past L1, for other
-    programs wrote it. VP: V's next power of two."""
-    c = tl.arange(0, VP)
-    mc = c < V
-    w = tl.load(weight + c, mask=mc, other=0.0).to(tl.float32)
-    for r0 in range(0, n, 16):
-        t = r0 + tl.arange(0, 16)
-        m = (t < n)[:, None] & mc[None, :]
-        p = ((b * n + t) * HV + hv).to(tl.int64)[:, None] * V + c[None, :]
-        ov = tl.load(o + p, mask=m, other=0.0, cache_modifier=".cg")
-        zv = ov
-        if HAS_Z:
-            zv = tl.load(z + b.to(tl.int64) * s_zb + t[:, None] * s_zn + hv * V + c[None, :], mask=m, other=0.0)
-        yv = _gated(ov, w[None, :], zv.to(tl.float32), eps, V, HAS_Z, SIGMOID)
-        tl.store(y + p, yv.to(y.dtype.element_ty), mask=m)
+        zv = zv.to(tl.float32)
+        if SIGMOID:
+            yv = yv * tl.sigmoid(zv)
+        else:
+            yv = yv * (zv * tl.sigmoid(zv))
+    tl.store(y + row.to(tl.int64) * V + c, yv.to(y.dtype.element_ty), mask=m)
 
 
 def gated_rms_norm(o, z, weight, eps: float, act: str, out_dtype: torch.dtype):
