@@ -255,10 +255,11 @@ class GraphTarget(EagerTarget):
         self.records, self.verify_key = None, None
         self._prefill_buffers: dict = {}  # (mode, width) -> tokens, valid (+ a chain's parents, path)
         # greedy acceptance walks the nodes one by one (~8 small ops per node) and settling a
-        # round is ~40 more; beside a fused model both are compiled: a few kernels per graph,
-        # and a greedy round compiles them as one region, as it does its commit's stacked work
-        # (two regions where there were four: graph_timeline_d34f096_h100.json counted ~19
-        # small kernels after a round's verify)
+        # round is ~40 more; beside a fused model both are compiled: a few kernels per graph.
+        # A greedy round compiles them as one region, as it does its commit's stacked work: two
+        # regions where there were four, though Inductor fused almost nothing across the old
+        # borders (H100: 17 small kernels after the verify, one fewer, the round's time
+        # unchanged; graph_timeline_tail_677faf1_h100.json)
         mode = fused.mode_of(model)
         self._accept, _ = fused.compile_for_graph(acceptance.greedy, mode)
         self._settle_fn, _ = fused.compile_for_graph(settle, mode)

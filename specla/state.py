@@ -123,11 +123,12 @@ class PendingBank:
 
 
 def store_pending(bufs, parts, path: torch.Tensor, length: torch.Tensor, chain: bool) -> None:
-    """A `PendingBank` store (`PendingBank.store_args`) on its buffers (k, g, u [L, B, nodes, ...], length [L, B]): parts are
-    the member layers' k, g and u records [B, n, ...]. A pure function of tensors, so a fused
-    target compiles it: Inductor writes each buffer with one kernel that reads the layers'
-    records where they are, instead of a stack and a gather per factor (eager: 7 launches a tree
-    round, three of them 3.7 us gathers on the H200, `tree_shapes_8faf436_profile.json`)."""
+    """A `PendingBank` store (`PendingBank.store_args`) on its buffers (k, g, u [L, B, nodes, ...],
+    length [L, B]): parts are the member layers' k, g and u records [B, n, ...]. A pure function
+    of tensors, so a fused target compiles it (in `commit_stacked`): Inductor writes each buffer
+    with one kernel that reads the layers' records where they are, instead of a stack and a
+    gather per factor (eager: 7 launches a tree round, three of them 3.7 us gathers on the H200,
+    `tree_shapes_8faf436_profile.json`)."""
     B, P = path.shape
     L, n = len(parts[0]), parts[0][0].shape[1]
     idx = (torch.arange(B, device=path.device)[:, None] * n + path).reshape(-1)  # flat node per (b, p)
@@ -160,10 +161,9 @@ def commit_convs(conv: torch.Tensor, xs: list, path: torch.Tensor, length: torch
 
 def commit_stacked(bank, conv, path: torch.Tensor, length: torch.Tensor, total: torch.Tensor) -> None:
     """A commit's work on stacked buffers as one pure function of tensors, which a fused target
-    compiles into a few kernels a round (four compiled regions and an eager add before,
-    ~10 launches): the pending bank's store (`store_pending`, bank = `PendingBank.store_args`
-    or None), the stacked conv states' advance (`commit_convs`, conv = (states, the layers'
-    records) or None) and the consumed-token count `total` += length."""
+    compiles as one region: the pending bank's store (`store_pending`, bank =
+    `PendingBank.store_args` or None), the stacked conv states' advance (`commit_convs`, conv =
+    (states, the layers' records) or None) and the consumed-token count `total` += length."""
     if bank is not None:
         store_pending(bank[0], bank[1], path, length, bank[2])
     if conv is not None:
