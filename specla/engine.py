@@ -263,11 +263,11 @@ class GraphTarget(EagerTarget):
         mode = fused.mode_of(model)
         self._accept, _ = fused.compile_for_graph(acceptance.greedy, mode)
         self._settle_fn, _ = fused.compile_for_graph(settle, mode)
-        self._greedy_settle, _ = fused.compile_for_graph(greedy_settle, mode)
+        self._greedy_settle, _ = fused.compile_for_graph(greedy_settle, mode, combo=True)
         # eagerly the AR step's top-1 over the vocabulary was two 4.3 µs reductions (H200,
         # graph_timeline_a147b95_h200.json); compiled, as a round's acceptance is
         self._top1, _ = fused.compile_for_graph(first_max, mode)
-        self.cache.commit_tensors, _ = fused.compile_for_graph(commit_stacked, mode)
+        self.cache.commit_tensors, _ = fused.compile_for_graph(commit_stacked, mode, combo=True)
         # uncompiled, the stacked conv commit is slower than the per-layer kernel
         self.cache.stack_convs = mode is not None
         if self.delayed:  # pending buffers exist from the start so the verify graph reads them

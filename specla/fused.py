@@ -186,10 +186,12 @@ def mode_of(model) -> str | None:
     return fz.mode if fz is not None and fz.compile else None
 
 
-def compile_for_graph(fn, mode: str | None, dynamic: bool = False):
+def compile_for_graph(fn, mode: str | None, dynamic: bool = False, combo: bool = False):
     """(compiled fn, capture guard factory) for a function captured in a CUDA graph beside a
     fused target (`mode`: its compile mode, `mode_of`); (fn, a no-op guard) when mode is None.
-    dynamic: shapes are static except dimensions a call marks (`mark_dynamic`).
+    dynamic: shapes are static except dimensions a call marks (`mark_dynamic`). combo:
+    Inductor's combo kernels, one launch for kernels that do not depend on each other (a
+    round's bookkeeping: ~17 small kernels of ~2.6 µs, most of them independent stores).
 
     A drafter's step is a handful of small matmuls among dozens of elementwise ops, norms,
     masks and gathers; compiled whole (static shapes, `fullgraph`), one graph replay launches
@@ -198,7 +200,8 @@ def compile_for_graph(fn, mode: str | None, dynamic: bool = False):
     if mode is None:
         return fn, contextlib.nullcontext
     _raise_recompile_limit()
-    return torch.compile(fn, dynamic=None if dynamic else False, fullgraph=True, options=_options(mode)), no_compiles
+    opts = {**_options(mode), **({"combo_kernels": True} if combo else {})}
+    return torch.compile(fn, dynamic=None if dynamic else False, fullgraph=True, options=opts), no_compiles
 
 
 # ---- pure functions of a layer's tensors (compiled) ------------------------------------------

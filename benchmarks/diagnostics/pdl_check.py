@@ -10,7 +10,8 @@ the AR steps' greedy tokens (along the chain; along the tree's first-child path,
 random), so rounds accept several drafts and the next verify applies a pending update of as
 many factors; where a round's output leaves the AR tokens (a near-tie rounded the other way, or
 the AR tokens run out) the drafts are random from then on. The reports (emitted tokens, counts)
-are compared between the settings; how many tokens each route emitted is recorded. On random
+are compared between the settings; how many tokens each route emitted is recorded, and how many
+of a route's first tokens equal the AR steps'. On random
 bf16 weights the logits are near-ties and a 17-row verify's argmax leaves the AR step's at once
 (H100, 677faf1: 1.01 tokens a round), so `--dtype float32` is the run that exercises pending
 updates of several factors.
@@ -70,8 +71,9 @@ def greedy_drafts(parents: list[int], ar: list[int], vocab: int, seed: int = 0):
         pos = state["pos"]
         state["on"] = state["on"] and out == ar[pos:pos + count]
         state["pos"] = pos + count
+        state["matched"] = state.get("matched", 0) + count * state["on"]
 
-    return propose, consume
+    return propose, consume, state
 
 
 def reports(shape: str, device: str, steps: int, rounds: int, dtype: torch.dtype) -> dict:
@@ -83,7 +85,7 @@ def reports(shape: str, device: str, steps: int, rounds: int, dtype: torch.dtype
     ar = [r[0][REPORT_HEAD] for r in ar_reports]
     out = {"pdl": pdl.enabled(dev), "ar": ar_reports}
     for name, parents in ROUTES.items():
-        propose, consume = greedy_drafts(parents, ar, model.cfg.vocab_size)
+        propose, consume, state = greedy_drafts(parents, ar, model.cfg.vocab_size)
         draw, run = round_runner(model, prompt, parents, rounds, propose=propose)
         got = []
         for _ in range(rounds):
@@ -91,6 +93,7 @@ def reports(shape: str, device: str, steps: int, rounds: int, dtype: torch.dtype
             got.append(run())
             consume(got[-1][0])
         out[name] = got
+        out[name + "_matched"] = state.get("matched", 0)
     return out
 
 
@@ -121,10 +124,13 @@ def main(argv=None) -> int:
         same = sum(x == y for x, y in zip(off[route], on[route]))
         first = next((i for i, (x, y) in enumerate(zip(off[route], on[route])) if x != y), None)
         emitted = sum(x[0][0] for x in on[route])
+        matched = on.get(route + "_matched")  # rounds: tokens emitted before the output left AR's
         rows.append({"route": route, "calls": len(on[route]), "identical": same, "first_difference": first,
-                     "tokens_emitted": emitted, "tokens_per_call": emitted / len(on[route])})
+                     "tokens_emitted": emitted, "tokens_per_call": emitted / len(on[route]),
+                     "tokens_equal_to_ar": matched})
         print(f"{route:8s} {same}/{len(on[route])} reports identical with PDL on and off (first difference: "
-              f"{first}); {emitted / len(on[route]):.2f} tokens a call; PDL on: {on['pdl']}")
+              f"{first}); {emitted / len(on[route]):.2f} tokens a call"
+              f"{'' if matched is None else f', the first {matched} equal to the AR steps'}; PDL on: {on['pdl']}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump({**environment(), "shape": a.shape, "dtype": a.dtype, "note": __doc__.splitlines()[0], "pdl_enabled": on["pdl"],
