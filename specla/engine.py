@@ -256,10 +256,10 @@ class GraphTarget(EagerTarget):
         self._prefill_buffers: dict = {}  # (mode, width) -> tokens, valid (+ a chain's parents, path)
         # greedy acceptance walks the nodes one by one (~8 small ops per node) and settling a
         # round is ~40 more; beside a fused model both are compiled: a few kernels per graph.
-        # A greedy round compiles them as one region, as it does its commit's stacked work: two
-        # regions where there were four, though Inductor fused almost nothing across the old
-        # borders (H100: 17 small kernels after the verify, one fewer, the round's time
-        # unchanged; graph_timeline_tail_677faf1_h100.json)
+        # A greedy round compiles them as one region, as it does its commit's stacked work, both
+        # with combo kernels: on an H100 the kernels after the verify went from 17 (four regions,
+        # or two without combo kernels) to 13, 52 -> 39 µs with their gaps
+        # (graph_timeline_tail_677faf1_h100.json, graph_timeline_combo_c39a339_h100.json)
         mode = fused.mode_of(model)
         self._accept, _ = fused.compile_for_graph(acceptance.greedy, mode)
         self._settle_fn, _ = fused.compile_for_graph(settle, mode)
