@@ -165,9 +165,11 @@ def commit_stacked(bank, conv, path: torch.Tensor, length: torch.Tensor, total: 
     `PendingBank.store_args` or None), the stacked conv states' advance (`commit_convs`, conv =
     (states, the layers' records) or None) and the consumed-token count `total` += length."""
     if bank is not None:
-        store_pending(bank[0], bank[1], path, length, bank[2])
+        bufs, parts, chain = bank
+        store_pending(bufs, parts, path, length, chain)
     if conv is not None:
-        commit_convs(conv[0], conv[1], path, length)
+        states, xs = conv
+        commit_convs(states, xs, path, length)
     total.add_(length)
 
 

@@ -11,10 +11,9 @@ random), so rounds accept several drafts and the next verify applies a pending u
 many factors; where a round's output leaves the AR tokens (a near-tie rounded the other way, or
 the AR tokens run out) the drafts are random from then on. The reports (emitted tokens, counts)
 are compared between the settings; how many tokens each route emitted is recorded, and how many
-of a route's first tokens equal the AR steps'. On random
-bf16 weights the logits are near-ties and a 17-row verify's argmax leaves the AR step's at once
-(H100, 677faf1: 1.01 tokens a round), so `--dtype float32` is the run that exercises pending
-updates of several factors.
+of a route's first tokens equal the AR steps'. On random bf16 weights the logits are near-ties
+and a 17-row verify's argmax leaves the AR step's at once (H100, 677faf1: 1.01 tokens a round),
+so `--dtype float32` is the run that exercises pending updates of several factors.
 
     SPECLA_COMPILE=1 python benchmarks/diagnostics/pdl_check.py [--shape gdn-1.3b-paper] [--out FILE]
     TRITON_INTERPRET=1 python benchmarks/diagnostics/pdl_check.py --device cpu --shape tiny --steps 24 --rounds 3
@@ -34,27 +33,27 @@ from specla.bench.decode import ar_runner, round_runner
 from specla.bench.trees import beam_tree
 from specla.ops import pdl
 from specla.shapes import random_model
+from specla.topology import children
 
 ROUTES = {"chain12": list(range(-1, 12)), "tree16": beam_tree(4, 4, 16)}
 
 
 def first_child_path(parents: list[int]) -> list[int]:
     """The nodes from the root down its first children (the lowest index at each level)."""
-    path = [0]
-    while True:
-        kids = [j for j, p in enumerate(parents) if p == path[-1]]
-        if not kids:
-            return path
-        path.append(min(kids))
+    kids, path = children(torch.tensor(parents)), [0]
+    while kids[path[-1]]:
+        path.append(kids[path[-1]][0])
+    return path
 
 
 def greedy_drafts(parents: list[int], ar: list[int], vocab: int, seed: int = 0):
-    """(propose, consume): propose gives the draft nodes' tokens, the AR continuation along the
-    first-child path from the tokens emitted so far; consume(report row) moves past a round's
-    output and stops following the AR tokens once the output leaves them."""
+    """(propose, consume, state): propose gives the draft nodes' tokens, the AR continuation along
+    the first-child path from the tokens emitted so far; consume(report row) moves past a round's
+    output and stops following the AR tokens once the output leaves them; state["matched"]
+    counts the tokens emitted until then."""
     path = first_child_path(parents)[1:]
     g = torch.Generator().manual_seed(seed)
-    state = {"pos": 0, "on": True}
+    state = {"pos": 0, "on": True, "matched": 0}
 
     def propose():
         toks = torch.randint(0, vocab, (len(parents) - 1,), generator=g)
@@ -71,7 +70,7 @@ def greedy_drafts(parents: list[int], ar: list[int], vocab: int, seed: int = 0):
         pos = state["pos"]
         state["on"] = state["on"] and out == ar[pos:pos + count]
         state["pos"] = pos + count
-        state["matched"] = state.get("matched", 0) + count * state["on"]
+        state["matched"] += count * state["on"]
 
     return propose, consume, state
 
@@ -93,7 +92,7 @@ def reports(shape: str, device: str, steps: int, rounds: int, dtype: torch.dtype
             got.append(run())
             consume(got[-1][0])
         out[name] = got
-        out[name + "_matched"] = state.get("matched", 0)
+        out[name + "_matched"] = state["matched"]
     return out
 
 
