@@ -1,12 +1,13 @@
 """The paper shape's bf16 matmuls at an AR step's 1 row and a 16-node round's 17, by how they
 are called: `F.linear` on the [N, K] weight (what the fused path runs, cuBLAS's default
 heuristics), the same through cuBLASLt, `x @ Wt` on a [K, N] copy of the weight, and 17 rows
-padded to 24 and 32. `graph_timeline.py` (fd5f6e5, H100) put the round's matmuls 108 µs over
+padded to 24 and 32, and (`--inductor`) Inductor's max-autotune choice (Triton templates or
+cuBLAS, whichever it measures faster) at 1 and 17 rows. `graph_timeline.py` (fd5f6e5, H100) put the round's matmuls 108 µs over
 the AR step's for the same weight bytes; this asks whether another call gets 17 rows nearer
 one row's time. Each weight shape as 24 distinct copies (one per layer: no L2 reuse), timed
 in one CUDA graph, µs per matmul, with the kernels each call launches.
 
-    python benchmarks/diagnostics/gemm_layouts.py [--out FILE]
+    python benchmarks/diagnostics/gemm_layouts.py [--inductor] [--out FILE]
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def _kernels(fn) -> list[str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--inductor", action="store_true", help="also F.linear compiled with max-autotune (1, 17 rows)")
     a = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     dev = torch.device("cuda")
@@ -49,9 +51,14 @@ def main(argv=None) -> int:
         for m in (1, 17, 24, 32):
             x = torch.randn(m, K, device=dev, dtype=torch.bfloat16)
             calls = {"linear": lambda w, wt: F.linear(x, w), "matmul_t": lambda w, wt: x @ wt}
+            if a.inductor and m in (1, 17):
+                tuned = torch.compile(F.linear, mode="max-autotune-no-cudagraphs", dynamic=False)
+                calls["inductor"] = lambda w, wt, tuned=tuned: tuned(x, w)
             for how, call in calls.items():
                 for lib in ("default", "cublaslt"):
-                    if m in (24, 32) and (how != "linear" or lib != "default"):
+                    if lib != "default" and (m in (24, 32) or how == "inductor"):
+                        continue
+                    if m in (24, 32) and how != "linear":
                         continue
                     torch.backends.cuda.preferred_blas_library("cublaslt" if lib == "cublaslt" else "cublas")
                     try:

@@ -30,6 +30,7 @@ from specla.decode import Decoder, _sync
 from specla.drafters.ngram import NgramDrafter
 from specla.engine import EagerTarget, GraphTarget
 from specla.shapes import random_model
+from specla.topology import depths
 
 
 def _prompt(vocab: int, length: int, seed: int = 0) -> list[int]:
@@ -38,11 +39,12 @@ def _prompt(vocab: int, length: int, seed: int = 0) -> list[int]:
     return base * 4  # repeats give the n-gram drafter something to copy
 
 
-def _target(model, max_len: int, budget: int, delayed: bool):
-    """The decode loop's target: CUDA graphs on a GPU, eager elsewhere (a CPU smoke run)."""
+def _target(model, max_len: int, budget: int, delayed: bool, path_nodes: int | None = None):
+    """The decode loop's target: CUDA graphs on a GPU, eager elsewhere (a CPU smoke run).
+    path_nodes: the longest path a round can accept (`Drafter.max_path`), None for the budget."""
     if model.device.type == "cuda":
-        return GraphTarget(model, 1, max_len, budget, delayed)
-    return EagerTarget(model, 1, max_len)
+        return GraphTarget(model, 1, max_len, budget, delayed, path_nodes=path_nodes)
+    return EagerTarget(model, 1, max_len, path_nodes=path_nodes)
 
 
 def round_runner(model, prompt, parents, rounds: int, delayed: bool = True, propose=None):
@@ -51,9 +53,12 @@ def round_runner(model, prompt, parents, rounds: int, delayed: bool = True, prop
     a drafter graph's outputs (no staging copies); run is one round as the decode loop runs it
     (`GraphTarget.round`: verify, accept, settle, commit in one graph replay) plus reading its
     report, the loop's one host read, which it returns. propose: a function giving the draft
-    nodes' tokens [n - 1] instead of random ones."""
+    nodes' tokens [n - 1] instead of random ones. The target keeps paths as long as the
+    topology's deepest (root included), as the loop does for a drafter of that depth
+    (`Drafter.max_path`): a 16-node depth-4 tree's pending buffers hold 5 rows, not 17."""
     n, dev = len(parents), model.device
-    tgt = _target(model, len(prompt) + 4 * rounds * n + 64, n, delayed)
+    longest = int(depths(torch.tensor([parents])).max()) + 1
+    tgt = _target(model, len(prompt) + 4 * rounds * n + 64, n, delayed, longest)
     tgt.prefill(torch.tensor([prompt[:-1]], device=dev))
     tgt.begin(torch.tensor([prompt[-1]], device=dev), 4 * rounds * n, set())
     tokens, par = torch.zeros(1, n, dtype=torch.long, device=dev), torch.tensor([parents], device=dev)
