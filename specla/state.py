@@ -135,6 +135,15 @@ def store_pending(bufs, parts, path: torch.Tensor, length: torch.Tensor, chain: 
     for buf, recs in zip(bufs[:3], parts):
         if chain:
             torch.stack(recs, out=buf)
+        elif torch.compiler.is_compiling():
+            # each layer's path rows gathered on their way into the bank: Inductor then never
+            # writes all n nodes' records stacked before reading back the P it keeps (eagerly
+            # that would be a gather a layer, so the eager store stacks first)
+            rows = [r.reshape(B * n, -1).index_select(0, idx).view(B, P, *buf.shape[3:]) for r in recs]
+            if P == buf.shape[2]:
+                torch.stack(rows, out=buf)
+            else:
+                buf[:, :, :P].copy_(torch.stack(rows))
         else:
             src = torch.stack(recs).reshape(L, B * n, -1)  # [L, B * n, ...]
             buf[:, :, :P].copy_(src.index_select(1, idx).view(L, B, P, *buf.shape[3:]))
