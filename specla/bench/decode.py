@@ -2,9 +2,10 @@
 
 Per shape (random bf16 weights, fp32 state): AR time per token through the decode loop
 (eager and graph replay) against the floor of reading the weights once at the measured copy
-bandwidth; one speculative round on a 16-draft-node beam tree (verify + greedy acceptance +
-settling + commit in one graph, `GraphTarget.round`, plus the host read of its report;
-`round16_ms`; `round16_serial_verify_ms`: the same round with the tree on the serial verifier,
+bandwidth; one speculative round on a 16-draft-node beam tree of depth 4 (verify + greedy
+acceptance + settling + commit in one graph, `GraphTarget.round`, plus the host read of its
+report; pending buffers of the 5 nodes a path can hold, as the loop sizes them for such a
+drafter; `round16_ms`; `round16_serial_verify_ms`: the same round with the tree on the serial verifier,
 the dispatch's choice before the parallel one); whether the graph path emits the same tokens
 as the eager path (AR and an n-gram tree route); and, fused, how far the fused path's logits are
 from the plain path's on this GPU, in bf16 and in an fp32 copy of the model (`fused_vs_plain`,
