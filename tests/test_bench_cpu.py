@@ -669,3 +669,21 @@ def test_pdl_check_drafts_follow_the_greedy_tokens(tmp_path):
     rows = {r["route"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["ar"]["tokens_per_call"] == 1
     assert rows["chain12"]["tokens_per_call"] > 2 and rows["tree16"]["tokens_per_call"] > 2
+
+
+def test_round_runner_keeps_paths_as_the_loop_does():
+    """A round bench sizes its target as the decode loop would for a drafter of its topology's
+    depth (`Drafter.max_path`): a 16-node depth-4 beam tree's pending buffers hold 5 rows, not 17."""
+    from specla.bench.decode import round_runner
+    from specla.bench.trees import beam_tree
+    from specla.shapes import random_model
+    from specla.state import GDNLayerState
+
+    model = random_model("tiny", device="cpu", dtype=torch.float32, seed=0)
+    draw, run, target = round_runner(model, list(range(3, 19)), beam_tree(4, 4, 16), 2)
+    draw()
+    count, length = run()[0][:2]
+    assert 1 <= length <= 5 and count == length
+    assert target.path_nodes == 5
+    pending = [st.pending for st in target.cache.layers if isinstance(st, GDNLayerState)]
+    assert pending and all(p is not None and p[0].shape[1] == 5 for p in pending)

@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     res = {}
 
     res["ar_step"] = summarise(trace(ar_runner(model, prompt, a.steps + 3), a.steps, dev))
-    draw, run = round_runner(model, prompt, parents, a.steps + 3)
+    draw, run, _ = round_runner(model, prompt, parents, a.steps + 3)
     res["round16"] = summarise(trace(lambda: (draw(), run()), a.steps, dev))
 
     for what, r in res.items():

@@ -85,7 +85,7 @@ def reports(shape: str, device: str, steps: int, rounds: int, dtype: torch.dtype
     out = {"pdl": pdl.enabled(dev), "ar": ar_reports}
     for name, parents in ROUTES.items():
         propose, consume, state = greedy_drafts(parents, ar, model.cfg.vocab_size)
-        draw, run = round_runner(model, prompt, parents, rounds, propose=propose)
+        draw, run, _ = round_runner(model, prompt, parents, rounds, propose=propose)
         got = []
         for _ in range(rounds):
             draw()

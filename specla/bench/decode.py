@@ -49,7 +49,7 @@ def _target(model, max_len: int, budget: int, delayed: bool, path_nodes: int | N
 
 
 def round_runner(model, prompt, parents, rounds: int, delayed: bool = True, propose=None):
-    """(draw, run) for up to `rounds` rounds after `prompt`: draw puts a random draft of the
+    """(draw, run, target) for up to `rounds` rounds after `prompt`: draw puts a random draft of the
     topology `parents` in buffers of its own, read where they are (`static`), as the loop reads
     a drafter graph's outputs (no staging copies); run is one round as the decode loop runs it
     (`GraphTarget.round`: verify, accept, settle, commit in one graph replay) plus reading its
@@ -75,13 +75,13 @@ def round_runner(model, prompt, parents, rounds: int, delayed: bool = True, prop
     def run():
         return tgt.round(tokens, par, valid=valid, delayed=delayed, static=True).report.tolist()
 
-    return draw, run
+    return draw, run, tgt
 
 
 def time_rounds(model, prompt, parents, rounds: int, delayed: bool = True) -> float:
     """Median ms of one round (`round_runner`'s run), each round on its own."""
     dev = model.device
-    draw, run = round_runner(model, prompt, parents, rounds + 3, delayed)
+    draw, run, _ = round_runner(model, prompt, parents, rounds + 3, delayed)
     times = []
     for i in range(rounds + 3):
         draw()
