@@ -2,9 +2,9 @@
 are called: `F.linear` on the [N, K] weight (what the fused path runs, cuBLAS's default
 heuristics), the same through cuBLASLt, `x @ Wt` on a [K, N] copy of the weight, and 17 rows
 padded to 24 and 32, and (`--inductor`) Inductor's max-autotune choice (Triton templates or
-cuBLAS, whichever it measures faster) at 1 and 17 rows. `graph_timeline.py` (fd5f6e5, H100) put the round's matmuls 108 µs over
-the AR step's for the same weight bytes; this asks whether another call gets 17 rows nearer
-one row's time. Each weight shape as 24 distinct copies (one per layer: no L2 reuse), timed
+cuBLAS, whichever it measures faster) at 1 and 17 rows. `graph_timeline.py` (fd5f6e5, H100)
+put the round's matmuls 108 µs over the AR step's for the same weight bytes; this asks whether
+another call gets 17 rows nearer one row's time. Each weight shape as 24 distinct copies (one per layer: no L2 reuse), timed
 in one CUDA graph, µs per matmul, with the kernels each call launches.
 
     python benchmarks/diagnostics/gemm_layouts.py [--inductor] [--out FILE]
