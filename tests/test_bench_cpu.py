@@ -21,6 +21,9 @@ def test_controlled_quick_cpu(tmp_path):
     for key in ("device", "shape", "ar_ms_per_token", "round16_ms", "grid", "per_length", "versions", "commit"):
         assert key in data, key
     assert data["shape"] == "tiny"
+    paired = data["round16_paired"]
+    assert paired["pairs"] == 5 and paired["ar_ms"] > 0 and paired["round_ms"] > 0
+    assert math.isfinite(paired["ratio"]) and paired["ratio"] > 0
     cells = {(c["p"], c["L"]) for c in data["grid"]}
     assert cells == {(p, L) for p in controlled.PS for L in controlled.LENGTHS}
     for c in data["grid"]:

@@ -22,7 +22,8 @@ ms/token ÷ (total round time ÷ tokens emitted); `speedup_expected` uses the ex
 instead of the sampled one (the same measured times, no sampling noise). Because tokens are forced,
 only latency ratios mean anything here (no output is checked). `round16_ms` is one
 16-draft-node beam-tree round (`bench.decode.time_rounds`, as `specla bench decode` times it),
-the figure whose goal is ≤ 1.2× an AR step. Writes `controlled.json` and the Fig 12 heatmap
+the figure whose goal is ≤ 1.2× an AR step; `round16_paired` times that round and an AR
+step in alternation (`bench.decode.time_round_pairs`: medians and the median per-pair ratio). Writes `controlled.json` and the Fig 12 heatmap
 `controlled.png` (`--name` changes the stem); the JSON is rewritten after every chain length
 (`complete` false until the last), so a run cut short keeps what it measured (two cold H200
 runs were cut at their time bound with nothing written).
@@ -44,7 +45,7 @@ from tqdm import tqdm
 
 from specla.acceptance import Acceptance
 from specla.bench.common import RESULTS, copy_bandwidth, write_results
-from specla.bench.decode import profile_fn, _target, time_ar_steps, time_rounds
+from specla.bench.decode import profile_fn, _target, time_ar_steps, time_round_pairs, time_rounds
 from specla.bench.trees import beam_tree
 from specla.decode import _Reader, _sync
 from specla.drafters.base import DraftContext
@@ -224,6 +225,7 @@ def run(shape: str = "gdn-1.3b-paper", device: str = "cuda", dtype: torch.dtype 
 
     ar_ms = time_ar_steps(model, prompt, 20 if quick else 200)
     round16 = time_rounds(model, prompt, beam_tree(4, 4, 16), 5 if quick else 100)
+    paired = time_round_pairs(model, prompt, beam_tree(4, 4, 16), 5 if quick else 200)
     dm = random_drafter(model, seed + 1)
     total = rounds + WARMUP
     chunk = 30  # rounds between rewinds: the drafter's KV cache stays near its real size
@@ -243,6 +245,8 @@ def run(shape: str = "gdn-1.3b-paper", device: str = "cuda", dtype: torch.dtype 
             "weight_floor_ms": weight_bytes / bw * 1e3 if bw else None,
             "copy_bandwidth_GBps": bw / 1e9 if bw else None,
             "ar_ms_per_token": ar_ms, "round16_ms": round16, "round16_over_ar": round16 / ar_ms,
+            # the same round and AR step timed in alternation (`time_round_pairs`)
+            "round16_paired": paired,
             "rounds": rounds, "prompt_len": prompt_len, "drafter_kv_capacity": capacity,
             "acceptance": "sampled: each draft token accepted with probability p until the first rejection",
             # False while lengths remain: a run cut short keeps the lengths it finished
@@ -297,7 +301,8 @@ def _print(result: dict) -> None:
     Ls = sorted({c["L"] for c in result["grid"]})
     cell = {(c["p"], c["L"]): c["speedup"] for c in result["grid"]}
     table = Table(title=f"speedup over AR ({result['ar_ms_per_token']:.3f} ms/token), {result['shape']}, "
-                        f"16-node round {result['round16_ms']:.3f} ms = {result['round16_over_ar']:.2f}x AR")
+                        f"16-node round {result['round16_ms']:.3f} ms = {result['round16_over_ar']:.3f}x AR "
+                        f"(paired: {result['round16_paired']['ratio']:.3f}x)")
     table.add_column("p \\ L")
     for L in Ls:
         table.add_column(str(L))
