@@ -8,7 +8,8 @@ griddepcontrol.wait, which returns once the previous kernel has finished and its
 visible), before reading anything the previous kernel wrote. Right after waiting it lets the
 next kernel launch (griddepcontrol.launch_dependents), so a kernel's early part never overlaps
 more than the kernel just before it: what it reads before waiting must have been written before
-that kernel started. Both instructions are recorded in CUDA graphs as programmatic edges.
+that kernel started, or by a kernel it waits for (every kernel here lets the next launch only
+after its own wait, so whatever ran two launches back has finished before this one starts). Both instructions are recorded in CUDA graphs as programmatic edges.
 
 `SPECLA_PDL=0` turns it off (A/B timings); the CPU and Triton's interpreter never use it.
 """

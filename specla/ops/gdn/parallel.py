@@ -38,7 +38,8 @@ parallel_split_variants_55d95ad_h200.json); the node-by-node products stay IEEE 
 
 With programmatic dependent launch (`ops.pdl`, Hopper) a products program loads, advances and
 flushes its first state block before it waits for the prelude's keys and queries, and the solve
-loads the mask before it waits for the products; the first block is peeled off the block loop
+loads the mask and the prelude's v, g and beta, and forms the decays, before it waits for the
+products (the products' programs only let it launch once they have waited for the prelude); the first block is peeled off the block loop
 because Triton's pipeliner hoists a loop's loads above a wait inside it.
 
 `pending = (k, g, u, length)` (delayed update, SpecLA §5.2) is applied to each state block right
@@ -183,12 +184,21 @@ def _solve_kernel(
     mv = o_v < V
     m_o = live[:, None] & mv[None, :]
 
+    # Before the wait: the mask (the round's, made before its first layer) and the prelude's
+    # v, g and beta. The prelude ran two launches back: no products program lets this launch
+    # start before it has waited for the prelude to finish, so these were complete and visible
+    # before any solve program began. What follows the wait is the products'.
     Mb = tl.load(mask + b * NT * NT + rows[:, None] * NT + rows[None, :]) > 0  # ancestor-or-self
-    wait_previous(PDL)  # the mask is the round's (made before its first layer); the rest is not
     gg = tl.load(g + (b * n + rows) * HV + hv, mask=live, other=0.0).to(tl.float32)
     bb = tl.load(beta + (b * n + rows) * HV + hv, mask=live, other=0.0).to(tl.float32)
     b_v = tl.load(v + b.to(tl.int64) * s_vb + rows[:, None] * s_vn + hv * V + o_v[None, :],
                   mask=m_o, other=0.0).to(tl.float32)
+    Gc = tl.sum(tl.where(Mb, gg[None, :], 0.0), 1)  # log Γ_j
+    D = tl.where(Mb, tl.exp(Gc[:, None] - Gc[None, :]), 0.0)
+    Gam = tl.exp(Gc)
+    # Jacobi steps up to the deepest real node (depth = ancestors and itself)
+    depth = tl.max(tl.where(rows < n_real, tl.sum(Mb.to(tl.int32), 1), 0), 0)
+    wait_previous(PDL)
     KS = tl.zeros([NT, BV], dtype=tl.float32)
     QS = tl.zeros([NT, BV], dtype=tl.float32)
     KK = tl.zeros([NT, NT], dtype=tl.float32)
@@ -201,13 +211,8 @@ def _solve_kernel(
         KK += tl.load(kk + p_g)
         QK += tl.load(qk + p_g)
 
-    Gc = tl.sum(tl.where(Mb, gg[None, :], 0.0), 1)  # log Γ_j
-    D = tl.where(Mb, tl.exp(Gc[:, None] - Gc[None, :]), 0.0)
-    Gam = tl.exp(Gc)
     A = tl.where(rows[:, None] > rows[None, :], bb[:, None] * D * KK, 0.0)
     R = bb[:, None] * (b_v - Gam[:, None] * KS)
-    # Jacobi steps up to the deepest real node (depth = ancestors and itself)
-    depth = tl.max(tl.where(rows < n_real, tl.sum(Mb.to(tl.int32), 1), 0), 0)
     U = R
     for _ in range(1, depth):
         U = R - tl.dot(A, U, input_precision="ieee")
@@ -253,7 +258,10 @@ def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, valid
     KW = max(BKC, kw // BKC * BKC)
     NV, NKS = triton.cdiv(V, BV), triton.cdiv(K, KW)
     mask = plan_for(parents).closure(parents, NT)  # cached on the caller's tensor: once per round
+    # copies made before the products launch: the solve reads v, g and beta before it waits,
+    # which holds only for what was written before the products ran
     q, k, v = _rows(q), _rows(k), _rows(v)
+    g, beta, valid = g.contiguous(), beta.contiguous(), None if valid is None else valid.contiguous()
     f32 = dict(dtype=torch.float32, device=dev)
     ks, qs = torch.empty(B, HV, NKS, NT, V, **f32), torch.empty(B, HV, NKS, NT, V, **f32)
     kk, qk = torch.empty(B, H, NKS, NT, NT, **f32), torch.empty(B, H, NKS, NT, NT, **f32)
@@ -268,7 +276,7 @@ def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, valid
     o = torch.empty(B, n, HV, V, dtype=state.dtype, device=dev)
     u = torch.empty_like(o)
     _solve_kernel[(B * HV * NV,)](
-        v, g.contiguous(), beta.contiguous(), o, u, mask, plen if valid is None else valid.contiguous(),
+        v, g, beta, o, u, mask, plen if valid is None else valid,
         ks, qs, kk, qk, scale, n, v.stride(0), v.stride(1),
         H=H, HV=HV, V=V, BV=BV, NV=NV, NKS=NKS, NT=NT, HAS_VALID=valid is not None,
         num_warps=solve_warps, **pdl_options)

@@ -16,20 +16,21 @@ from specla.ops.pdl import wait_previous
 @triton.jit
 def _gated_rms_norm_kernel(o, z, weight, y, n, s_zb, s_zn, eps, HV: tl.constexpr, V: tl.constexpr,
                            BV: tl.constexpr, HAS_Z: tl.constexpr, SIGMOID: tl.constexpr, PDL: tl.constexpr):
-    wait_previous(PDL)  # o is the verify's, just before
     row = tl.program_id(0)  # ((b * n) + t) * HV + hv
     hv, bt = row % HV, row // HV
     c = tl.arange(0, BV)
     m = c < V
-    ov = tl.load(o + row.to(tl.int64) * V + c, mask=m, other=0.0).to(tl.float32)
-    yv = ov * tl.rsqrt(tl.sum(ov * ov) / V + eps) * tl.load(weight + c, mask=m, other=0.0).to(tl.float32)
+    # the gate (the in_proj's, before the verify's prelude) and the weight before the wait
+    w = tl.load(weight + c, mask=m, other=0.0).to(tl.float32)
     if HAS_Z:
         zv = tl.load(z + (bt // n).to(tl.int64) * s_zb + (bt % n) * s_zn + hv * V + c, mask=m, other=0.0)
         zv = zv.to(tl.float32)
-        if SIGMOID:
-            yv = yv * tl.sigmoid(zv)
-        else:
-            yv = yv * (zv * tl.sigmoid(zv))
+        gate = tl.sigmoid(zv) if SIGMOID else zv * tl.sigmoid(zv)
+    wait_previous(PDL)  # o is the verify's, just before
+    ov = tl.load(o + row.to(tl.int64) * V + c, mask=m, other=0.0).to(tl.float32)
+    yv = ov * tl.rsqrt(tl.sum(ov * ov) / V + eps) * w
+    if HAS_Z:
+        yv = yv * gate
     tl.store(y + row.to(tl.int64) * V + c, yv.to(y.dtype.element_ty), mask=m)
 
 
