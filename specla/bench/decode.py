@@ -98,23 +98,28 @@ def time_round_pairs(model, prompt, parents, pairs: int) -> dict:
     """One AR step (`ar_runner`) and one round (`round_runner`) timed back to back, `pairs`
     times: the medians of each and of the per-pair ratio round ÷ AR step. `time_ar_steps` then
     `time_rounds` measure minutes apart, and between calls their ratio moved by as much as it
-    missed its goal by (~1.5%, clocks); a pair shares its conditions, so the ratio of pairs is
-    the comparison the goal asks for."""
+    missed its goal by (~1.5%, clocks). Both calls of a pair start alike (a draft drawn, the
+    device synchronised) and take turns going first, so neither always follows the other."""
     dev = model.device
     ar = ar_runner(model, prompt, pairs + 3)
     draw, run, _ = round_runner(model, prompt, parents, pairs + 3)
-    ars, rounds = [], []
-    for i in range(pairs + 3):
+
+    def timed(fn) -> float:
         draw()
         _sync(dev)
         t0 = time.perf_counter()
-        ar()  # reads its report: synchronised
-        t1 = time.perf_counter()
-        run()
-        t2 = time.perf_counter()
+        fn()  # reads its report: synchronised
+        return (time.perf_counter() - t0) * 1e3
+
+    ars, rounds = [], []
+    for i in range(pairs + 3):
+        if i % 2:
+            r, a = timed(run), timed(ar)
+        else:
+            a, r = timed(ar), timed(run)
         if i >= 3:
-            ars.append((t1 - t0) * 1e3)
-            rounds.append((t2 - t1) * 1e3)
+            ars.append(a)
+            rounds.append(r)
     ratios = sorted(r / a for r, a in zip(rounds, ars))
     return {"pairs": pairs, "ar_ms": sorted(ars)[pairs // 2], "round_ms": sorted(rounds)[pairs // 2],
             "ratio": ratios[pairs // 2]}
