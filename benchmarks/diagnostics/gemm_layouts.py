@@ -42,6 +42,10 @@ def main(argv=None) -> int:
     ap.add_argument("--inductor", action="store_true", help="also F.linear compiled with max-autotune (1, 17 rows)")
     a = ap.parse_args(argv)
     torch.set_grad_enabled(False)
+    if a.inductor:  # one compile per (weight, rows): ten, past dynamo's default limit of eight
+        from specla.fused import _raise_recompile_limit
+
+        _raise_recompile_limit()
     dev = torch.device("cuda")
     out = []
     for name, (N, K) in WEIGHTS.items():
