@@ -23,8 +23,8 @@ instead of the sampled one (the same measured times, no sampling noise). Because
 only latency ratios mean anything here (no output is checked). `round16_ms` is one
 16-draft-node beam-tree round (`bench.decode.time_rounds`, as `specla bench decode` times it),
 the figure whose goal is ≤ 1.2× an AR step; `round16_paired` times that round and an AR
-step in alternation (`bench.decode.time_round_pairs`: medians and the median per-pair ratio). Writes `controlled.json` and the Fig 12 heatmap
-`controlled.png` (`--name` changes the stem); the JSON is rewritten after every chain length
+step in alternation (`bench.decode.time_round_pairs`: medians and the median per-pair ratio).
+Writes `controlled.json` and the Fig 12 heatmap `controlled.png` (`--name` changes the stem); the JSON is rewritten after every chain length
 (`complete` false until the last), so a run cut short keeps what it measured (two cold H200
 runs were cut at their time bound with nothing written).
 

@@ -39,8 +39,9 @@ parallel_split_variants_55d95ad_h200.json); the node-by-node products stay IEEE 
 With programmatic dependent launch (`ops.pdl`, Hopper) a products program loads, advances and
 flushes its first state block before it waits for the prelude's keys and queries, and the solve
 loads the mask and the prelude's v, g and beta, and forms the decays, before it waits for the
-products (the products' programs only let it launch once they have waited for the prelude); the first block is peeled off the block loop
-because Triton's pipeliner hoists a loop's loads above a wait inside it.
+products (the products' programs only let it launch once they have waited for the prelude); the
+first block is peeled off the block loop because Triton's pipeliner hoists a loop's loads above
+a wait inside it.
 
 `pending = (k, g, u, length)` (delayed update, SpecLA §5.2) is applied to each state block right
 after it is loaded, in the closed rank-P form Γ_P S + Σ_p (Γ_P/Γ_p) k_p u_pᵀ (one more matmul per
