@@ -77,6 +77,11 @@ def load_variant(src: str, name: str, tmp: Path):
     return mod
 
 
+def median(xs) -> float:
+    """The middle sample (the upper one of an even count): always a measured value."""
+    return sorted(xs)[len(xs) // 2]
+
+
 def bootstrap(stat, n: int, reps: int = 2000, seed: int = 0) -> tuple[float, float]:
     """95% interval of stat(indices) over `reps` resamples of range(n) with replacement."""
     import random

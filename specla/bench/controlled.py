@@ -44,7 +44,7 @@ import torch
 from tqdm import tqdm
 
 from specla.acceptance import Acceptance
-from specla.bench.common import RESULTS, copy_bandwidth, write_results
+from specla.bench.common import RESULTS, copy_bandwidth, median, write_results
 from specla.bench.decode import profile_fn, _target, time_ar_steps, time_round_pairs, time_rounds
 from specla.bench.trees import beam_tree
 from specla.decode import _Reader, _sync
@@ -57,11 +57,6 @@ from specla.shapes import random_model
 PS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 LENGTHS = tuple(range(5, 13))
 WARMUP = 3
-
-
-def _median(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[len(s) // 2]
 
 
 def random_drafter(target, seed: int = 1) -> EagleDrafterModel:
@@ -172,7 +167,7 @@ class ChainRuntime:
             t4 = time.perf_counter()
             for k, (a, b) in zip(t, ((t0, t1), (t1, t2), (t2, t3), (t3, t4))):
                 t[k].append((b - a) * 1e3)
-        return {f"{k}_ms": _median(v) for k, v in t.items()}
+        return {f"{k}_ms": median(v) for k, v in t.items()}
 
     def timed(self, accepted: list[int], chunk: int) -> float:
         """Total ms of back-to-back rounds with these accepted counts (after WARMUP untimed ones),

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from specla import ops
-from specla.bench.common import RESULTS, copy_bandwidth, write_results
+from specla.bench.common import RESULTS, copy_bandwidth, median, write_results
 from specla.bench.trees import beam_tree
 from specla.decode import Decoder, _sync
 from specla.drafters.ngram import NgramDrafter
@@ -78,20 +78,25 @@ def round_runner(model, prompt, parents, rounds: int, delayed: bool = True, prop
     return draw, run, tgt
 
 
+WARMUP_CALLS = 3  # untimed calls before a timing's samples
+
+
+def _elapsed_ms(fn, dev, before=None) -> float:
+    """ms of `fn()` (which reads its report, so ends synchronised), after `before()` and a sync."""
+    if before is not None:
+        before()
+    _sync(dev)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def time_rounds(model, prompt, parents, rounds: int, delayed: bool = True) -> float:
     """Median ms of one round (`round_runner`'s run), each round on its own."""
     dev = model.device
-    draw, run, _ = round_runner(model, prompt, parents, rounds + 3, delayed)
-    times = []
-    for i in range(rounds + 3):
-        draw()
-        _sync(dev)
-        t0 = time.perf_counter()
-        run()
-        _sync(dev)
-        if i >= 3:
-            times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
+    draw, run, _ = round_runner(model, prompt, parents, rounds + WARMUP_CALLS, delayed)
+    times = [_elapsed_ms(lambda: (run(), _sync(dev)), dev, draw) for _ in range(rounds + WARMUP_CALLS)]
+    return median(times[WARMUP_CALLS:])
 
 
 def time_round_pairs(model, prompt, parents, pairs: int) -> dict:
@@ -101,28 +106,19 @@ def time_round_pairs(model, prompt, parents, pairs: int) -> dict:
     missed its goal by (~1.5%, clocks). Both calls of a pair start alike (a draft drawn, the
     device synchronised) and take turns going first, so neither always follows the other."""
     dev = model.device
-    ar = ar_runner(model, prompt, pairs + 3)
-    draw, run, _ = round_runner(model, prompt, parents, pairs + 3)
-
-    def timed(fn) -> float:
-        draw()
-        _sync(dev)
-        t0 = time.perf_counter()
-        fn()  # reads its report: synchronised
-        return (time.perf_counter() - t0) * 1e3
-
+    ar = ar_runner(model, prompt, pairs + WARMUP_CALLS)
+    draw, run, _ = round_runner(model, prompt, parents, pairs + WARMUP_CALLS)
     ars, rounds = [], []
-    for i in range(pairs + 3):
+    for i in range(pairs + WARMUP_CALLS):
         if i % 2:
-            r, a = timed(run), timed(ar)
+            r, a = _elapsed_ms(run, dev, draw), _elapsed_ms(ar, dev, draw)
         else:
-            a, r = timed(ar), timed(run)
-        if i >= 3:
-            ars.append(a)
-            rounds.append(r)
-    ratios = sorted(r / a for r, a in zip(rounds, ars))
-    return {"pairs": pairs, "ar_ms": sorted(ars)[pairs // 2], "round_ms": sorted(rounds)[pairs // 2],
-            "ratio": ratios[pairs // 2]}
+            a, r = _elapsed_ms(ar, dev, draw), _elapsed_ms(run, dev, draw)
+        ars.append(a)
+        rounds.append(r)
+    ars, rounds = ars[WARMUP_CALLS:], rounds[WARMUP_CALLS:]
+    return {"pairs": pairs, "ar_ms": median(ars), "round_ms": median(rounds),
+            "ratio": median([r / a for r, a in zip(rounds, ars)])}
 
 
 def _generate(model, make_drafter, graphs: bool, prompt, new_tokens: int):
@@ -146,15 +142,9 @@ def ar_runner(model, prompt, steps: int):
 def time_ar_steps(model, prompt, steps: int) -> float:
     """Median ms of one greedy AR step (`ar_runner`)."""
     dev = model.device
-    run = ar_runner(model, prompt, steps + 3)
-    times = []
-    for i in range(steps + 3):
-        _sync(dev)
-        t0 = time.perf_counter()
-        run()
-        if i >= 3:
-            times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
+    run = ar_runner(model, prompt, steps + WARMUP_CALLS)
+    times = [_elapsed_ms(run, dev) for _ in range(steps + WARMUP_CALLS)]
+    return median(times[WARMUP_CALLS:])
 
 
 def _is_gpu(dev) -> bool:

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from specla.bench.common import RESULTS, bootstrap, graph_time_ms, timed_captures, warm_set, write_results
+from specla.bench.common import RESULTS, bootstrap, graph_time_ms, median, timed_captures, warm_set, write_results
 from specla.bench.e2e import bootstrap_ratio
 from specla.graphs import captured as graphs_captured
 
@@ -282,7 +282,7 @@ def _time(fn, cuda: bool, reps: int) -> float:
         t0 = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t0)
-    return sorted(ts)[len(ts) // 2] * 1e6
+    return median(ts) * 1e6
 
 
 def operator_section(device: torch.device, quick: bool) -> list[dict]:
