@@ -11,7 +11,10 @@
 # rather than sleeping a fixed time: a lane that fails early then ends the call early. Export
 # SPECLA_COMMIT / SPECLA_COMPILE in a statement of its own before the lanes: in
 # `export X=1 && (lane a) & (lane b) & wait` the export runs inside lane a's background job
-# only, and lane b runs without it (this cost the shard-1 e2e records of 2026-12-01).
+# only, and lane b runs without it (this cost the shard-1 e2e records of 2026-12-01). A first
+# step `card:H200` ends the lane with status 3 on any other card (a call for the H200 kind is
+# served by an H100 when one is free): chain later lanes with && so the call stops right after
+# the machine's start.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 SPECLA_COMMIT=${SPECLA_COMMIT:-unknown}
 LANE=${LANE:-a}
@@ -141,6 +144,8 @@ run_step() {
   echo "=== $step $(date +%T)"
   case $step in
     smoke) smoke ;;
+    card:*) nvidia-smi --query-gpu=name --format=csv,noheader | grep -q "${step#card:}" \
+      || { echo "not a ${step#card:}: $(nvidia-smi --query-gpu=name --format=csv,noheader)"; exit 3; } ;;
     train:*) IFS=: read -r _ mins total <<<"$step"; train "$mins" "$total" ;;
     responses:*) IFS=: read -r _ mins n args <<<"$step"; args=${args//,/ }; responses "$mins" "${n:-1}" ${args//%/,} ;;  # responses:MIN:SHARDS[:ARG,...]
     drafter:*) IFS=: read -r _ mins args <<<"$step"; args=${args//,/ }; drafter "$mins" ${args//%/,} ;;  # drafter:MIN[:ARG,...]

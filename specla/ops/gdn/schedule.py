@@ -9,10 +9,10 @@ host sync, so the same code runs inside a CUDA-graph capture and the schedule re
 - `hld_schedule`: heavy-light decomposition into node-disjoint chains (the hybrid verifier's
   schedule), equal to `specla.topology.heavy_light_chains` row by row.
 - `SERIAL_COST`/`prefer_serial`: a cost model that sends a row to one serial pass (one
-  program per V-tile walking every node in index order) when heavy-light chains would not pay
+  program per V-tile walking every node depth first) when heavy-light chains would not pay
   for their overhead; `hld_schedule(..., fallback=True)` writes that serial pass as the row's
   single "chain", so the choice is data too.
-- `serial_boundaries`: the nodes a serial pass in index order must store a tile for.
+- `serial_order`: the serial pass's depth-first walk and the nodes it must store a tile for.
 - `path_tables`: every leaf's root-to-leaf path (the path verifier's schedule).
 - `plan_for`: a per-parents-tensor cache of the above, so the 24 layers of one verify round
   build the plan once.
@@ -92,7 +92,10 @@ class HybridSchedule:
 # restores its parent's tile from scratch ~0.77 µs more (Table 1 serial: 23 µs at 17 nodes, 46
 # µs at 33); the hybrid costs ~6.3 µs plus ~0.76 µs a node of total work (programs, boundary
 # traffic: it barely depended on the tree's shape) plus its critical path of chained nodes and
-# chain hops (Table 1 hybrid: 24.5 µs at 17 nodes, 38 µs at 33).
+# chain hops (Table 1 hybrid: 24.5 µs at 17 nodes, 38 µs at 33). Fitted when the serial pass
+# walked in index order, where restores grew with the node count (the two terms are confounded
+# in that data); it now walks depth first and restores leaves - 1 times: refit from the next
+# `bench kernels` run (`cost_fit`).
 SERIAL_COST = {"node": 0.68, "restore": 0.77, "hybrid_fixed": 6.3, "hybrid_node": 0.76}
 
 
@@ -100,8 +103,10 @@ def _terms(parents: torch.Tensor, M: torch.Tensor, is_head: torch.Tensor):
     """What the costs are linear in: (restores [B], depth [B, n], hops [B, n]): the serial pass's
     restores, and per node the nodes and the chain starts on its root path."""
     n = parents.shape[1]
-    idx = torch.arange(n, device=parents.device)
-    restores = (parents[:, 1:] != idx[:-1]).sum(1).float()
+    # the depth-first walk (`serial_order`) restores after every leaf but the last
+    has_child = torch.zeros(parents.shape, dtype=torch.bool, device=parents.device)
+    has_child.scatter_(1, parents[:, 1:].clamp(min=0), True)
+    restores = (n - 1 - has_child.sum(1)).float()
     hop = is_head.float().clone()
     hop[:, 0] = 0.0  # the root chain starts from the state, not from a boundary tile
     depth = M.sum(2)  # nodes on the path root..j
@@ -148,23 +153,47 @@ def _heads(parents: torch.Tensor, M: torch.Tensor):
     return ~heavy, size
 
 
-def serial_boundaries(parents: torch.Tensor) -> torch.Tensor:
-    """Int32 [B, n]: 1 where a node has a child that a pass in index order does not visit right
-    after it, so the pass must store the node's tile for that child to restore."""
+def serial_order(parents: torch.Tensor):
+    """The serial pass's walk, int32 [B, n] each: (order, visit_parent, boundary).
+
+    order: a depth-first preorder (root first), each node's children taken by the largest index
+    in their subtrees, so the chain `pad_draft` hangs under a row's last real node comes last
+    and the real nodes fill the first valid[b] positions. Depth first, a node follows its
+    parent except where a walk returns to a branch point: leaves - 1 restores, where the index
+    order (nodes numbered depth by depth) restored at nearly every node of a beam tree.
+    visit_parent[t]: the parent of order[t] (-1 for the root). boundary[i]: 1 where node i has a
+    child that the walk does not visit right after it, so it stores its tile for that child.
+    """
+    parents = parents.long()
     B, n = parents.shape
-    idx = torch.arange(n, device=parents.device)
-    light = torch.zeros(B, n, dtype=torch.int32, device=parents.device)
-    light.scatter_add_(1, parents[:, 1:].long().clamp(min=0), (parents[:, 1:] != idx[:-1]).int())
-    return light.clamp_(max=1)
+    dev = parents.device
+    idx = torch.arange(n, device=dev)
+    M = ops.ancestor_closure(parents) > 0  # M[b, j, i]: i is j or one of j's ancestors
+    size = M.sum(1)
+    last = torch.where(M, idx[None, :, None], -1).amax(1)  # the largest index in i's subtree
+    par = parents.clamp(min=0)
+    nonroot = idx > 0
+    # earlier[b, a, s]: s is a sibling of a whose subtree the walk visits before a's
+    earlier = (par[:, :, None] == par[:, None, :]) & (last[:, None, :] < last[:, :, None]) \
+        & nonroot[None, :, None] & nonroot[None, None, :]
+    skip = (earlier * size[:, None, :]).sum(2)
+    # a node's position: one step per ancestor-or-self below the root, plus the subtrees of
+    # each one's earlier siblings
+    pos = (M * torch.where(nonroot, 1 + skip, 0)[:, None, :]).sum(2)
+    order = torch.zeros(B, n, dtype=torch.long, device=dev).scatter_(1, pos, idx.expand(B, n))
+    visit_parent = parents.gather(1, order)
+    gap = (pos[:, 1:] != pos.gather(1, par[:, 1:]) + 1).int()
+    boundary = torch.zeros(B, n, dtype=torch.int32, device=dev).scatter_add_(1, par[:, 1:], gap).clamp_(max=1)
+    return order.int(), visit_parent.int(), boundary
 
 
 def hld_schedule(parents: torch.Tensor, fallback: bool = False, cost: dict | None = None) -> HybridSchedule:
     """Heavy-light decomposition of every row (ties: the lower node index is heavy).
 
     fallback: rows the cost model (`SERIAL_COST`) expects to run faster as one serial pass get
-    a single item holding every node in index order (the kernel restores a parent's tile from
-    scratch whenever it is not the node just processed, and `light` marks the serial pass's
-    boundary nodes); `serial_rows` says which rows did.
+    a single item holding every node in the serial pass's order (`serial_order`: the kernel
+    restores a parent's tile from scratch whenever it is not the node just processed, and
+    `light` marks the walk's boundary nodes); `serial_rows` says which rows did.
     """
     parents = parents.long()
     B, n = parents.shape
@@ -192,11 +221,11 @@ def hld_schedule(parents: torch.Tensor, fallback: bool = False, cost: dict | Non
     if fallback:
         cs, ch = _costs(parents, M, is_head, cost)
         serial_rows = cs <= ch
+        order, _, s_light = serial_order(parents)
         s_nodes = torch.zeros(B, n, n, dtype=torch.int32, device=dev)
-        s_nodes[:, 0] = idx.int()
+        s_nodes[:, 0] = order
         s_length = torch.zeros(B, n, dtype=torch.int32, device=dev)
         s_length[:, 0] = n
-        s_light = serial_boundaries(parents)
         sel = serial_rows[:, None]
         nodes = torch.where(sel[:, :, None], s_nodes, nodes)
         length = torch.where(sel, s_length, length)
@@ -220,7 +249,7 @@ class Plan:
         self._closure: dict[int, torch.Tensor] = {}
         self._paths: dict = {}
         self._hld: dict[bool, HybridSchedule] = {}
-        self._boundaries: torch.Tensor | None = None
+        self._walk: tuple | None = None
         self._prefer_serial: bool | None = None
         self._host: torch.Tensor | None = None
 
@@ -263,10 +292,10 @@ class Plan:
             self._hld[fallback] = hld_schedule(parents, fallback)
         return self._hld[fallback]
 
-    def serial_boundaries(self, parents: torch.Tensor) -> torch.Tensor:
-        if self._boundaries is None:
-            self._boundaries = serial_boundaries(parents)
-        return self._boundaries
+    def serial_order(self, parents: torch.Tensor) -> tuple:
+        if self._walk is None:
+            self._walk = serial_order(parents)
+        return self._walk
 
     def prefer_serial(self, parents: torch.Tensor) -> bool | None:
         """Whether every row is expected faster on the serial verifier; None inside a capture.

@@ -5,10 +5,12 @@ across every node (full K per program, so o = Sᵀq needs no cross-program reduc
 the nodes in topological order. A node whose parent is not the node just processed restores its
 parent's tile from a scratch buffer; only *boundary* nodes — those with a child that is not
 their immediate successor — store their tile there, so a chain materialises no state at all.
-In the serial pass (one program walks every node) a node's parent and boundary flag are read as
-scalars (`schedule.serial_boundaries`, built once per round), not picked out of the topology by
-a reduction, and the tile a node restores is loaded while the node before it computes: the
-parent is an earlier node, whose visit stored the tile.
+The serial pass (one program walks every node) walks depth first (`schedule.serial_order`,
+built once per round): leaves - 1 restores, where index order, depth by depth, restored at
+nearly every node. Each visited node, its parent and its boundary flag are read one node
+ahead as scalars, not picked out of the topology by a reduction, and the tile a node restores
+is loaded while the node before it computes: the parent is an earlier node, whose visit stored
+the tile.
 
 Per node j, with the parent's tile S resident and γ = exp(g_j):
     u_j = β_j (v_j - γ Sᵀk_j)                (the corrected update the commit consumes)
@@ -27,7 +29,8 @@ advanced and flushed before the program waits for the prelude that writes the no
 
 `valid` [B] (chains and the serial tree pass): nodes j >= valid[b] are padding of a fixed-width
 verify (`drafters.base.pad_draft`); the recurrence stops there and their o and u are written as zeros.
-Nodes are visited in index order, so no real node depends on a padding node.
+No real node depends on a padding node, and the serial pass's walk visits `pad_draft`'s padding
+(a chain under the last real node) after every real node, so it stops after valid[b] visits.
 """
 
 from __future__ import annotations
@@ -79,7 +82,9 @@ def tree_verify_kernel(
     STORE_U: tl.constexpr, WRITE_FINAL: tl.constexpr, HAS_VALID: tl.constexpr, PDL: tl.constexpr,
 ):
     """TREE=False: nodes form a chain (parents ignored). TREE, not HYBRID: all n nodes in one
-    program per tile (serial verifier). HYBRID: one program per (chain, tile), see hybrid.py.
+    program per tile (serial verifier), in the order chain_nodes[b] with the visited nodes'
+    parents in chain_len[b] (`schedule.serial_order`). HYBRID: one program per (chain, tile),
+    see hybrid.py.
     PATHS: one program per (tile, table row), walking the row's leaf path if it has one (paths.py)."""
     if PATHS:
         c = tl.program_id(1)
@@ -128,6 +133,8 @@ def tree_verify_kernel(
         if HAS_VALID:
             L = real_nodes(valid, b, n)
         node = tl.program_id(0) * 0  # a tensor, like the hybrid's: it is loop-carried
+        if TREE:  # the walk's next node, read one node ahead (the root always comes first)
+            node_next = tl.load(chain_nodes + b * n + 1, mask=L > 1, other=0)
 
     o_k = tl.arange(0, BK)
     o_v = vt * BV + tl.arange(0, BV)
@@ -182,9 +189,9 @@ def tree_verify_kernel(
     if HYBRID:
         prev = node * 0 - 1
     elif TREE:
-        # the serial pass reads node t + 1's parent one node ahead, so the tile it restores can
-        # be loaded while node t computes (module docstring)
-        par_next = tl.load(parents + b * n + 1, mask=L > 1, other=0).to(tl.int32)
+        # the serial pass reads the next node's parent one node ahead, so the tile it restores
+        # can be loaded while this node computes (module docstring)
+        par_next = tl.load(chain_len + b * n + 1, mask=L > 1, other=0)
     for t in range(0, L):
         cur, c_q, c_k, c_v, c_g, c_b = node, b_q, b_k, b_v, b_g, b_b
         # prefetch the next node's inputs; they do not depend on the state
@@ -193,6 +200,9 @@ def tree_verify_kernel(
         elif PATHS:  # read one node ahead, so the load's latency hides behind a node's work
             node = node_next
             node_next = tl.load(p_tab + t + 2, mask=t + 2 < L, other=0)
+        elif TREE:
+            node = node_next
+            node_next = tl.load(chain_nodes + b * n + t + 2, mask=t + 2 < L, other=0)
         else:
             node = cur + 1
         ok = t + 1 < L
@@ -212,14 +222,14 @@ def tree_verify_kernel(
                 p_src = scratch + ((b * n + par) * HV + hv).to(tl.int64) * K * V + tile
                 S = tl.load(p_src, mask=m_S, other=0.0, cache_modifier=".cg")
         elif TREE:
-            # node t + 1 restores its parent's tile unless that parent is node t; the parent was
-            # stored at its own visit, by this program, so the load can start now
+            # the next node restores its parent's tile unless that parent is this node; the
+            # parent was stored at its own visit, by this program, so the load can start now
             restore = ok & (par_next != cur)
             if restore:
                 tl.debug_barrier()  # the boundary tiles stored so far are visible to every thread
             p_src = scratch + ((b * n + par_next) * HV + hv).to(tl.int64) * K * V + tile
             S_next = tl.load(p_src, mask=m_S & restore, other=0.0, cache_modifier=".cg")
-            par_next = tl.load(parents + b * n + t + 2, mask=t + 2 < L, other=0).to(tl.int32)
+            par_next = tl.load(chain_len + b * n + t + 2, mask=t + 2 < L, other=0)
             boundary = tl.load(light + b * n + cur) > 0
 
         # one reduction pass (one cross-warp exchange) gives Sᵀk, Sᵀq and q·k together; the
@@ -295,7 +305,8 @@ def launch(q, k, v, g, beta, state, parents, scale, pending, *, grid, tree, hybr
     if hybrid is not None:
         sched = hybrid
     elif tree and paths is None:
-        sched = (parents, parents, plan_for(parents).serial_boundaries(parents), parents, parents)
+        order, visit_parent, boundary = plan_for(parents).serial_order(parents)
+        sched = (order, visit_parent, boundary, parents, parents)
     elif paths is not None:  # the paths, their lengths and the leaf count in the hybrid's slots
         sched = (paths[0], paths[1], parents, paths[2], parents)
     else:
