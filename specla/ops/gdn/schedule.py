@@ -12,7 +12,8 @@ host sync, so the same code runs inside a CUDA-graph capture and the schedule re
   program per V-tile walking every node depth first) when heavy-light chains would not pay
   for their overhead; `hld_schedule(..., fallback=True)` writes that serial pass as the row's
   single "chain", so the choice is data too.
-- `serial_order`: the serial pass's depth-first walk and the nodes it must store a tile for.
+- `serial_order`: the serial pass's depth-first walk (leaves in place) and the nodes it must
+  store a tile for.
 - `path_tables`: every leaf's root-to-leaf path (the path verifier's schedule).
 - `plan_for`: a per-parents-tensor cache of the above, so the 24 layers of one verify round
   build the plan once.
@@ -94,19 +95,20 @@ class HybridSchedule:
 # traffic: it barely depended on the tree's shape) plus its critical path of chained nodes and
 # chain hops (Table 1 hybrid: 24.5 µs at 17 nodes, 38 µs at 33). Fitted when the serial pass
 # walked in index order, where restores grew with the node count (the two terms are confounded
-# in that data); it now walks depth first and restores leaves - 1 times: refit from the next
-# `bench kernels` run (`cost_fit`).
+# in that data); it now walks depth first with leaves in place and restores 2-7 times on
+# Table 1's trees: refit from the next `bench kernels` run (`cost_fit`).
 SERIAL_COST = {"node": 0.68, "restore": 0.77, "hybrid_fixed": 6.3, "hybrid_node": 0.76}
 
 
 def _terms(parents: torch.Tensor, M: torch.Tensor, is_head: torch.Tensor):
     """What the costs are linear in: (restores [B], depth [B, n], hops [B, n]): the serial pass's
     restores, and per node the nodes and the chain starts on its root path."""
-    n = parents.shape[1]
-    # the depth-first walk (`serial_order`) restores after every leaf but the last
-    has_child = torch.zeros(parents.shape, dtype=torch.bool, device=parents.device)
-    has_child.scatter_(1, parents[:, 1:].clamp(min=0), True)
-    restores = (n - 1 - has_child.sum(1)).float()
+    # the serial pass's walk (`serial_order`) comes back to a node once for each of its
+    # children with children of their own but the first
+    par = parents[:, 1:].clamp(min=0)
+    inner = torch.zeros(parents.shape, device=parents.device).scatter_(1, par, 1.0)
+    per_node = torch.zeros(parents.shape, device=parents.device).scatter_add_(1, par, inner[:, 1:])
+    restores = (per_node - 1).clamp(min=0).sum(1)
     hop = is_head.float().clone()
     hop[:, 0] = 0.0  # the root chain starts from the state, not from a boundary tile
     depth = M.sum(2)  # nodes on the path root..j
@@ -153,16 +155,31 @@ def _heads(parents: torch.Tensor, M: torch.Tensor):
     return ~heavy, size
 
 
-def serial_order(parents: torch.Tensor):
-    """The serial pass's walk, int32 [B, n] each: (order, visit_parent, boundary).
+LEAF, STORE = 2, 1  # `SerialWalk.kind`
 
-    order: a depth-first preorder (root first), each node's children taken by the largest index
-    in their subtrees, so the chain `pad_draft` hangs under a row's last real node comes last
-    and the real nodes fill the first valid[b] positions. Depth first, a node follows its
-    parent except where a walk returns to a branch point: leaves - 1 restores, where the index
-    order (nodes numbered depth by depth) restored at nearly every node of a beam tree.
-    visit_parent[t]: the parent of order[t] (-1 for the root). boundary[i]: 1 where node i has a
-    child that the walk does not visit right after it, so it stores its tile for that child.
+
+@dataclass
+class SerialWalk:
+    """The serial pass's walk of every row, int32 tables (see `serial_order`)."""
+
+    order: torch.Tensor  # [B, n]: the t-th node visited
+    parent: torch.Tensor  # [B, n]: the parent of order[t] (-1 for the root)
+    kind: torch.Tensor  # [B, n] per node: LEAF, STORE (the walk returns to it later) or 0
+    boundary: torch.Tensor  # [B, n] per node: 1 where a walk without in-place leaves must store
+
+
+def serial_order(parents: torch.Tensor) -> SerialWalk:
+    """A depth-first preorder (root first) for the serial pass.
+
+    A node's children go leaves first, then the others by the largest index in their subtrees,
+    so the chain `pad_draft` hangs under a row's last real node comes last and the real nodes
+    fill the first valid[b] positions. A leaf is verified in place: its output needs only its
+    parent's tile, so the pass leaves that tile resident (kind LEAF), and the next sibling
+    starts from it without a restore. A restore happens only where the walk returns to a node
+    for its second child with children of its own: sum over nodes of (such children - 1). The
+    index order the pass used before (drafters number nodes depth by depth) restored at nearly
+    every node of a beam tree. `boundary` serves a walk that advances the tile at every node
+    (the hybrid's one-item fallback): a node with a child not visited right after it.
     """
     parents = parents.long()
     B, n = parents.shape
@@ -170,21 +187,28 @@ def serial_order(parents: torch.Tensor):
     idx = torch.arange(n, device=dev)
     M = ops.ancestor_closure(parents) > 0  # M[b, j, i]: i is j or one of j's ancestors
     size = M.sum(1)
-    last = torch.where(M, idx[None, :, None], -1).amax(1)  # the largest index in i's subtree
     par = parents.clamp(min=0)
     nonroot = idx > 0
-    # earlier[b, a, s]: s is a sibling of a whose subtree the walk visits before a's
-    earlier = (par[:, :, None] == par[:, None, :]) & (last[:, None, :] < last[:, :, None]) \
-        & nonroot[None, :, None] & nonroot[None, None, :]
+    inner = torch.zeros(B, n, dtype=torch.bool, device=dev).scatter_(1, par[:, 1:], True)
+    # siblings go by key: leaves first, then by the largest index in their subtrees
+    key = torch.where(M, idx[None, :, None], -1).amax(1) + n * inner
+    earlier = (par[:, :, None] == par[:, None, :]) & (key[:, None, :] < key[:, :, None]) \
+        & nonroot[None, :, None] & nonroot[None, None, :]  # [b, a, s]: s's subtree comes before a's
     skip = (earlier * size[:, None, :]).sum(2)
     # a node's position: one step per ancestor-or-self below the root, plus the subtrees of
     # each one's earlier siblings
     pos = (M * torch.where(nonroot, 1 + skip, 0)[:, None, :]).sum(2)
     order = torch.zeros(B, n, dtype=torch.long, device=dev).scatter_(1, pos, idx.expand(B, n))
-    visit_parent = parents.gather(1, order)
+    parent = parents.gather(1, order)
+    # the tile resident after visiting order[t]: its own, or its parent's after a leaf
+    prev = order[:, :-1]
+    resident = torch.where(inner.gather(1, prev), prev, parents.gather(1, prev))
+    restore = (parent[:, 1:] != resident).int()
+    store = torch.zeros(B, n, dtype=torch.int32, device=dev).scatter_add_(1, par.gather(1, order)[:, 1:], restore)
+    kind = torch.where(inner, STORE * (store > 0).int(), LEAF).int()
     gap = (pos[:, 1:] != pos.gather(1, par[:, 1:]) + 1).int()
     boundary = torch.zeros(B, n, dtype=torch.int32, device=dev).scatter_add_(1, par[:, 1:], gap).clamp_(max=1)
-    return order.int(), visit_parent.int(), boundary
+    return SerialWalk(order.int(), parent.int(), kind, boundary)
 
 
 def hld_schedule(parents: torch.Tensor, fallback: bool = False, cost: dict | None = None) -> HybridSchedule:
@@ -221,9 +245,10 @@ def hld_schedule(parents: torch.Tensor, fallback: bool = False, cost: dict | Non
     if fallback:
         cs, ch = _costs(parents, M, is_head, cost)
         serial_rows = cs <= ch
-        order, _, s_light = serial_order(parents)
+        walk = serial_order(parents)
+        s_light = walk.boundary
         s_nodes = torch.zeros(B, n, n, dtype=torch.int32, device=dev)
-        s_nodes[:, 0] = order
+        s_nodes[:, 0] = walk.order
         s_length = torch.zeros(B, n, dtype=torch.int32, device=dev)
         s_length[:, 0] = n
         sel = serial_rows[:, None]
@@ -249,7 +274,7 @@ class Plan:
         self._closure: dict[int, torch.Tensor] = {}
         self._paths: dict = {}
         self._hld: dict[bool, HybridSchedule] = {}
-        self._walk: tuple | None = None
+        self._walk: SerialWalk | None = None
         self._prefer_serial: bool | None = None
         self._host: torch.Tensor | None = None
 
@@ -292,7 +317,7 @@ class Plan:
             self._hld[fallback] = hld_schedule(parents, fallback)
         return self._hld[fallback]
 
-    def serial_order(self, parents: torch.Tensor) -> tuple:
+    def serial_order(self, parents: torch.Tensor) -> SerialWalk:
         if self._walk is None:
             self._walk = serial_order(parents)
         return self._walk

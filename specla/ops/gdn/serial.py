@@ -5,12 +5,16 @@ across every node (full K per program, so o = Sᵀq needs no cross-program reduc
 the nodes in topological order. A node whose parent is not the node just processed restores its
 parent's tile from a scratch buffer; only *boundary* nodes — those with a child that is not
 their immediate successor — store their tile there, so a chain materialises no state at all.
-The serial pass (one program walks every node) walks depth first (`schedule.serial_order`,
-built once per round): leaves - 1 restores, where index order, depth by depth, restored at
-nearly every node. Each visited node, its parent and its boundary flag are read one node
-ahead as scalars, not picked out of the topology by a reduction, and the tile a node restores
-is loaded while the node before it computes: the parent is an earlier node, whose visit stored
-the tile.
+The serial pass (one program walks every node) walks depth first, each node's leaves before
+its other children (`schedule.serial_order`, built once per round). A leaf is verified in
+place: its o and u need only its parent's tile, so the pass skips its update and the parent's
+tile stays resident for the next sibling. It restores only where it comes back to a node for
+a second child with children of its own (2-7 times on Table 1's trees), where index order,
+depth by depth, restored at nearly every node. Each visited node, its parent and its kind
+(leaf, or a node the walk comes back to, which stores its tile) are read one node ahead as
+scalars, not picked out of the topology by a reduction, and the tile a node restores is loaded
+while the node before it computes: the parent is an earlier node, whose visit stored the
+tile.
 
 Per node j, with the parent's tile S resident and γ = exp(g_j):
     u_j = β_j (v_j - γ Sᵀk_j)                (the corrected update the commit consumes)
@@ -83,8 +87,8 @@ def tree_verify_kernel(
 ):
     """TREE=False: nodes form a chain (parents ignored). TREE, not HYBRID: all n nodes in one
     program per tile (serial verifier), in the order chain_nodes[b] with the visited nodes'
-    parents in chain_len[b] (`schedule.serial_order`). HYBRID: one program per (chain, tile),
-    see hybrid.py.
+    parents in chain_len[b] and each node's kind in light[b] (`schedule.serial_order`).
+    HYBRID: one program per (chain, tile), see hybrid.py.
     PATHS: one program per (tile, table row), walking the row's leaf path if it has one (paths.py)."""
     if PATHS:
         c = tl.program_id(1)
@@ -192,8 +196,12 @@ def tree_verify_kernel(
         # the serial pass reads the next node's parent one node ahead, so the tile it restores
         # can be loaded while this node computes (module docstring)
         par_next = tl.load(chain_len + b * n + 1, mask=L > 1, other=0)
+        par_cur = par_next * 0 - 1
+        kind = tl.load(light + b * n)  # the root's
     for t in range(0, L):
         cur, c_q, c_k, c_v, c_g, c_b = node, b_q, b_k, b_v, b_g, b_b
+        if TREE and not HYBRID:
+            cur_kind = kind
         # prefetch the next node's inputs; they do not depend on the state
         if HYBRID:
             node = _pick(nrow, idx, t + 1)
@@ -222,15 +230,19 @@ def tree_verify_kernel(
                 p_src = scratch + ((b * n + par) * HV + hv).to(tl.int64) * K * V + tile
                 S = tl.load(p_src, mask=m_S, other=0.0, cache_modifier=".cg")
         elif TREE:
-            # the next node restores its parent's tile unless that parent is this node; the
-            # parent was stored at its own visit, by this program, so the load can start now
-            restore = ok & (par_next != cur)
+            # the tile resident after this node is its own, or after a leaf (verified in place)
+            # its parent's; the next node restores its parent's tile unless that one is resident.
+            # The parent was stored at its own visit, by this program, so the load can start now
+            leaf = cur_kind == 2  # schedule.LEAF
+            restore = ok & (par_next != tl.where(leaf, par_cur, cur))
             if restore:
                 tl.debug_barrier()  # the boundary tiles stored so far are visible to every thread
             p_src = scratch + ((b * n + par_next) * HV + hv).to(tl.int64) * K * V + tile
             S_next = tl.load(p_src, mask=m_S & restore, other=0.0, cache_modifier=".cg")
+            par_cur = par_next
             par_next = tl.load(chain_len + b * n + t + 2, mask=t + 2 < L, other=0)
-            boundary = tl.load(light + b * n + cur) > 0
+            kind = tl.load(light + b * n + node, mask=ok, other=0)
+            boundary = cur_kind == 1  # schedule.STORE
 
         # one reduction pass (one cross-warp exchange) gives Sᵀk, Sᵀq and q·k together; the
         # decay is applied to the reduced vectors, not to the tile first
@@ -238,7 +250,11 @@ def tree_verify_kernel(
         kS, qS, qk = tl.reduce((S * c_k[:, None], S * c_q[:, None], (c_q * c_k)[:, None] + tl.zeros_like(S)),
                                0, _sum3)
         b_u = c_b * (c_v - gamma * kS)
-        S = decay_update(S, gamma, c_k, b_u)
+        if TREE and not HYBRID:
+            if not leaf:  # a leaf's tile has no reader: its parent's stays resident
+                S = decay_update(S, gamma, c_k, b_u)
+        else:
+            S = decay_update(S, gamma, c_k, b_u)
         b_o = (gamma * qS + qk * b_u) * scale
         p_out = ((b * n + cur) * HV + hv).to(tl.int64) * V + o_v
         tl.store(o + p_out, b_o, mask=mv)
@@ -305,8 +321,8 @@ def launch(q, k, v, g, beta, state, parents, scale, pending, *, grid, tree, hybr
     if hybrid is not None:
         sched = hybrid
     elif tree and paths is None:
-        order, visit_parent, boundary = plan_for(parents).serial_order(parents)
-        sched = (order, visit_parent, boundary, parents, parents)
+        walk = plan_for(parents).serial_order(parents)
+        sched = (walk.order, walk.parent, walk.kind, parents, parents)
     elif paths is not None:  # the paths, their lengths and the leaf count in the hybrid's slots
         sched = (paths[0], paths[1], parents, paths[2], parents)
     else:
