@@ -535,11 +535,14 @@ def test_bench_kernels_runs_every_section_on_cpu(tmp_path):
     """`bench kernels --device cpu --quick`: every section runs under the interpreter (timings
     meaningless) and the JSON holds the issue's keys, the cost fit among them."""
     from specla.bench import kernels
+    from specla.ops.gdn import schedule
 
     res = kernels.run(str(tmp_path), device="cpu", quick=True)
     for key in ("table1", "cost_fit", "commit", "fused", "chain", "correctness"):
         assert "error" not in res[key] if isinstance(res[key], dict) else res[key], key
     assert {"topk", "depth", "nodes", "r2l_ms", "serial_ms", "parallel_ms", "hybrid_ms", "paths_ms"} <= set(res["table1"][0])
+    quick_tree = torch.tensor([kernels.beam_tree(4, 4, 8, seed=0)])  # the quick run's one tree
+    assert res["table1"][0]["serial_restores"] == float(schedule.cost_terms(quick_tree)[0][0])
     # every verifier the bench times also equals the reference at the bench's shape
     assert {"verify_serial", "verify_hybrid", "verify_parallel", "verify_paths_bv16_w4"} <= set(res["correctness"])
     assert all(e["rel"] < 1e-5 for e in res["correctness"]["verify_paths_bv16_w4"].values())

@@ -165,7 +165,7 @@ def table1(bench: Bench, tiling: dict) -> list[dict]:
         stats, schedules = [], []
         for seed in seeds:
             p = beam_tree(topk, depth, nodes, seed=seed)
-            stats.append(tree_stats(p))
+            stats.append({**tree_stats(p), "restores": float(schedule.cost_terms(torch.tensor([p]))[0][0])})
             par = torch.tensor([p], device=bench.device)
             ins = bench.layer_inputs(len(p), 100 + seed)
             leaf_paths = root_to_leaf_paths(torch.tensor(p))
@@ -197,6 +197,7 @@ def table1(bench: Bench, tiling: dict) -> list[dict]:
         rows.append({
             "topk": topk, "depth": depth, "nodes": nodes, "trees": len(seeds),
             "leaves": statistics.mean(s["leaves"] for s in stats), "tree_depth": statistics.mean(s["depth"] for s in stats),
+            "serial_restores": statistics.mean(s["restores"] for s in stats),  # a layer, schedule.serial_order
             "r2l_ms": ms["r2l"], "serial_ms": ms["serial"], "parallel_ms": ms["parallel"], "hybrid_ms": ms["hybrid"],
             "serial_x": ms["r2l"] / ms["serial"], "parallel_x": ms["r2l"] / ms["parallel"],
             "hybrid_x": ms["r2l"] / ms["hybrid"], "hybrid_over_serial_x": ms["serial"] / ms["hybrid"],
@@ -537,7 +538,7 @@ def _print(result: dict) -> None:
         con.print("correctness (largest relative error per check):", worst)
     table("tiling sweep (serial/hybrid)", result.get("tiling"), ["block_v", "num_warps", "hybrid_4_4_32_ms", "chain_T16_layer_ms"])
     table("Table 1: tree verification, 24 layers (x = speedup over R2L)", result.get("table1"),
-          ["topk", "depth", "nodes", "leaves", "r2l_ms", "serial_ms", "parallel_ms", "hybrid_ms", "hybrid_auto_ms",
+          ["topk", "depth", "nodes", "leaves", "serial_restores", "r2l_ms", "serial_ms", "parallel_ms", "hybrid_ms", "hybrid_auto_ms",
            "paths_ms", "paths_tiling", "hybrid_schedule", "serial_x", "parallel_x", "hybrid_x", "paths_x",
            "paper_hybrid_x"])
     table("accepted-state recovery, 24 layers", result.get("commit"),
