@@ -542,7 +542,7 @@ def test_bench_kernels_runs_every_section_on_cpu(tmp_path):
         assert "error" not in res[key] if isinstance(res[key], dict) else res[key], key
     assert {"topk", "depth", "nodes", "r2l_ms", "serial_ms", "parallel_ms", "hybrid_ms", "paths_ms"} <= set(res["table1"][0])
     quick_tree = torch.tensor([kernels.beam_tree(4, 4, 8, seed=0)])  # the quick run's one tree
-    assert res["table1"][0]["serial_restores"] == float(schedule.cost_terms(quick_tree)[0][0])
+    assert res["table1"][0]["serial_restores"] == float(schedule.serial_restores(quick_tree)[0])
     # every verifier the bench times also equals the reference at the bench's shape
     assert {"verify_serial", "verify_hybrid", "verify_parallel", "verify_paths_bv16_w4"} <= set(res["correctness"])
     assert all(e["rel"] < 1e-5 for e in res["correctness"]["verify_paths_bv16_w4"].values())

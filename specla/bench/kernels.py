@@ -165,7 +165,7 @@ def table1(bench: Bench, tiling: dict) -> list[dict]:
         stats, schedules = [], []
         for seed in seeds:
             p = beam_tree(topk, depth, nodes, seed=seed)
-            stats.append({**tree_stats(p), "restores": float(schedule.cost_terms(torch.tensor([p]))[0][0])})
+            stats.append({**tree_stats(p), "restores": float(schedule.serial_restores(torch.tensor([p]))[0])})
             par = torch.tensor([p], device=bench.device)
             ins = bench.layer_inputs(len(p), 100 + seed)
             leaf_paths = root_to_leaf_paths(torch.tensor(p))

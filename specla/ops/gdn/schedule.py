@@ -100,15 +100,19 @@ class HybridSchedule:
 SERIAL_COST = {"node": 0.68, "restore": 0.77, "hybrid_fixed": 6.3, "hybrid_node": 0.76}
 
 
+def serial_restores(parents: torch.Tensor) -> torch.Tensor:
+    """Float [B]: the tiles the serial pass's walk (`serial_order`) restores a layer. It comes
+    back to a node once for each of its children with children of their own but the first."""
+    par = parents[:, 1:].long().clamp(min=0)
+    inner = torch.zeros(parents.shape, device=parents.device).scatter_(1, par, 1.0)
+    per_node = torch.zeros(parents.shape, device=parents.device).scatter_add_(1, par, inner[:, 1:])
+    return (per_node - 1).clamp(min=0).sum(1)
+
+
 def _terms(parents: torch.Tensor, M: torch.Tensor, is_head: torch.Tensor):
     """What the costs are linear in: (restores [B], depth [B, n], hops [B, n]): the serial pass's
     restores, and per node the nodes and the chain starts on its root path."""
-    # the serial pass's walk (`serial_order`) comes back to a node once for each of its
-    # children with children of their own but the first
-    par = parents[:, 1:].clamp(min=0)
-    inner = torch.zeros(parents.shape, device=parents.device).scatter_(1, par, 1.0)
-    per_node = torch.zeros(parents.shape, device=parents.device).scatter_add_(1, par, inner[:, 1:])
-    restores = (per_node - 1).clamp(min=0).sum(1)
+    restores = serial_restores(parents)
     hop = is_head.float().clone()
     hop[:, 0] = 0.0  # the root chain starts from the state, not from a boundary tile
     depth = M.sum(2)  # nodes on the path root..j

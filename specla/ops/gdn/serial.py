@@ -200,8 +200,7 @@ def tree_verify_kernel(
         kind = tl.load(light + b * n)  # the root's
     for t in range(0, L):
         cur, c_q, c_k, c_v, c_g, c_b = node, b_q, b_k, b_v, b_g, b_b
-        if TREE and not HYBRID:
-            cur_kind = kind
+        leaf = False  # only the serial pass verifies leaves in place
         # prefetch the next node's inputs; they do not depend on the state
         if HYBRID:
             node = _pick(nrow, idx, t + 1)
@@ -233,6 +232,7 @@ def tree_verify_kernel(
             # the tile resident after this node is its own, or after a leaf (verified in place)
             # its parent's; the next node restores its parent's tile unless that one is resident.
             # The parent was stored at its own visit, by this program, so the load can start now
+            cur_kind = kind
             leaf = cur_kind == 2  # schedule.LEAF
             restore = ok & (par_next != tl.where(leaf, par_cur, cur))
             if restore:
@@ -250,10 +250,7 @@ def tree_verify_kernel(
         kS, qS, qk = tl.reduce((S * c_k[:, None], S * c_q[:, None], (c_q * c_k)[:, None] + tl.zeros_like(S)),
                                0, _sum3)
         b_u = c_b * (c_v - gamma * kS)
-        if TREE and not HYBRID:
-            if not leaf:  # a leaf's tile has no reader: its parent's stays resident
-                S = decay_update(S, gamma, c_k, b_u)
-        else:
+        if not leaf:  # a leaf's tile has no reader: its parent's stays resident
             S = decay_update(S, gamma, c_k, b_u)
         b_o = (gamma * qS + qk * b_u) * scale
         p_out = ((b * n + cur) * HV + hv).to(tl.int64) * V + o_v
