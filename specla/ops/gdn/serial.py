@@ -45,8 +45,13 @@ import triton.language as tl
 
 from specla.ops import pdl
 from specla.ops.gdn.commit import advance_tile, decay_update, pending_args, real_nodes
+from specla.ops.gdn import schedule
 from specla.ops.gdn.schedule import plan_for
 from specla.ops.pdl import wait_previous
+
+# `SerialWalk.kind` values, as constants the kernel can read
+_LEAF = tl.constexpr(schedule.LEAF)
+_STORE = tl.constexpr(schedule.STORE)
 
 
 @triton.jit
@@ -233,7 +238,7 @@ def tree_verify_kernel(
             # its parent's; the next node restores its parent's tile unless that one is resident.
             # The parent was stored at its own visit, by this program, so the load can start now
             cur_kind = kind
-            leaf = cur_kind == 2  # schedule.LEAF
+            leaf = cur_kind == _LEAF
             restore = ok & (par_next != tl.where(leaf, par_cur, cur))
             if restore:
                 tl.debug_barrier()  # the boundary tiles stored so far are visible to every thread
@@ -242,7 +247,7 @@ def tree_verify_kernel(
             par_cur = par_next
             par_next = tl.load(chain_len + b * n + t + 2, mask=t + 2 < L, other=0)
             kind = tl.load(light + b * n + node, mask=ok, other=0)
-            boundary = cur_kind == 1  # schedule.STORE
+            boundary = cur_kind == _STORE
 
         # one reduction pass (one cross-warp exchange) gives Sᵀk, Sᵀq and q·k together; the
         # decay is applied to the reduced vectors, not to the tile first
