@@ -104,11 +104,15 @@ def root_to_leaf_paths(parents: torch.Tensor) -> list[list[int]]:
 
 
 def heavy_light_chains(parents: torch.Tensor) -> list[list[int]]:
-    """Heavy-light decomposition of a single topology into node-disjoint chains (SpecLA §4.3).
+    """The hybrid verifier's decomposition of a single topology (SpecLA §4.3) into
+    node-disjoint chains, each listed in visiting order.
 
-    Each chain follows the child with the largest subtree; a chain's first node hangs off a
-    node of an earlier chain (its boundary), except the chain that starts at the root.
-    Chains are returned in an order where every chain's boundary node lies in an earlier chain.
+    Leaves (nodes other than the root with no children) are verified in place by their
+    parent's chain, right after their parent, lower index first. The inner nodes are split by
+    heavy-light decomposition: a chain follows the inner child with the largest subtree (ties:
+    the lower index); the other inner children start chains of their own, whose first node
+    hangs off a node of an earlier chain (its boundary). Chains are returned in an order where
+    every chain's boundary node lies in an earlier chain.
     """
     p = parents.reshape(-1).tolist()
     n = len(p)
@@ -120,11 +124,13 @@ def heavy_light_chains(parents: torch.Tensor) -> list[list[int]]:
     starts = [0]
     while starts:
         node = starts.pop(0)
-        ch = [node]
-        while kids[ch[-1]]:
-            ks = kids[ch[-1]]
-            heavy = max(ks, key=lambda c: (size[c], -c))
-            starts.extend(c for c in ks if c != heavy)
-            ch.append(heavy)
+        ch = []
+        while node is not None:
+            ch.append(node)
+            ch.extend(c for c in kids[node] if not kids[c])
+            inner = [c for c in kids[node] if kids[c]]
+            heavy = max(inner, key=lambda c: (size[c], -c)) if inner else None
+            starts.extend(c for c in inner if c != heavy)
+            node = heavy
         chains.append(ch)
     return chains

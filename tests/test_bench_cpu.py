@@ -515,7 +515,7 @@ def test_cost_fit_recovers_the_model_that_made_the_times():
     truth = {"node": 0.5, "restore": 0.9, "hybrid_fixed": 5.0, "hybrid_node": 0.4}
     layers, rows = 24, []
     for topk, depth, nodes in kernels.TABLE1_SHAPES:
-        costs = [schedule._costs(p, schedule.ancestor_closure(p), schedule._heads(p, schedule.ancestor_closure(p))[0],
+        costs = [schedule._costs(p, schedule.ancestor_closure(p), *schedule._heads(p, schedule.ancestor_closure(p)),
                                  truth) for p in (torch.tensor([beam_tree(topk, depth, nodes, seed=s)]) for s in (0, 1))]
         rows.append({"topk": topk, "depth": depth, "nodes": nodes, "trees": 2,
                      "serial_ms": statistics.mean(float(c[0]) for c in costs) * layers / 1e3,

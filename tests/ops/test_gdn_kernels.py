@@ -139,21 +139,37 @@ def test_hybrid_schedule_covers_each_node_once_in_dependency_order(n, kind, seed
     sched = schedule.hld_schedule(par)
     for b in range(2):
         pb = par[b].tolist()
+        kids = topology.children(par[b])
         chains = [sched.nodes[b, c, :L].tolist() for c, L in enumerate(sched.length[b].tolist()) if L > 0]
         assert sum(sched.length[b].tolist()) == n
         assert sorted(x for ch in chains for x in ch) == list(range(n))  # every node exactly once
         owner = {x: c for c, ch in enumerate(chains) for x in ch}
         for c, ch in enumerate(chains):
-            assert all(pb[ch[i + 1]] == ch[i] for i in range(len(ch) - 1))  # a chain is a path
+            # a chain's inner nodes form a path; each leaf follows its parent or a leaf sibling,
+            # so the tile resident before every node but the first is its parent's
+            resident = None
+            for i, x in enumerate(ch):
+                if i:
+                    assert pb[x] == resident
+                    assert kids[x] or sched.light[b, x] == schedule.LEAF
+                resident = x if kids[x] or x == 0 else pb[x]
             head_parent = pb[ch[0]]
             if c == 0:
                 assert ch[0] == 0
-            else:  # its boundary state comes from an earlier chain, which marks it
-                assert head_parent >= 0 and owner[head_parent] < c
-                assert sched.light[b, head_parent] == 1
-        light = {pb[ch[0]] for ch in chains[1:]}
-        assert {i for i in range(n) if sched.light[b, i]} == light
-        assert sorted(map(sorted, chains)) == sorted(map(sorted, topology.heavy_light_chains(par[b])))
+            else:  # an inner node whose boundary state comes from an earlier chain, which marks it
+                assert kids[ch[0]] and head_parent >= 0 and owner[head_parent] < c
+                assert sched.light[b, head_parent] == schedule.STORE
+        boundaries = {pb[ch[0]] for ch in chains[1:]}
+        assert sched.light[b].tolist() == [schedule.STORE if i in boundaries else
+                                           schedule.LEAF if i and not kids[i] else 0 for i in range(n)]
+        assert chains == sorted(topology.heavy_light_chains(par[b]))
+        # heavy-light over the inner nodes: a path from the root crosses O(log n) chains
+        for x in range(n):
+            hops, y = 0, x
+            while y > 0:
+                hops += owner[pb[y]] != owner[y]
+                y = pb[y]
+            assert hops <= max(1, n).bit_length()
 
 
 @settings(max_examples=20, deadline=None, derandomize=True)
@@ -239,7 +255,6 @@ def test_serial_walk(n, kind, seed, real):
         assert len(restored) == sum(max(0, sum(1 for c in kids[i] if kids[c]) - 1) for i in range(n))
         assert walk.kind[b].tolist() == [schedule.LEAF if not kids[i] else schedule.STORE * (i in restored)
                                          for i in range(n)]
-        assert walk.boundary[b].tolist() == [int(any(pos[c] != pos[i] + 1 for c in kids[i])) for i in range(n)]
     assert sorted(walk.order[2, real:].tolist()) == list(range(real, n))
 
 
@@ -459,7 +474,7 @@ def test_fallback_schedule_is_hld_or_one_serial_pass(n, kind, seed):
             assert fb.length[b, 0] == n and not fb.length[b, 1:].any()
             walk = schedule.serial_order(par[b:b + 1])
             assert fb.nodes[b, 0].tolist() == walk.order[0].tolist()
-            assert fb.light[b].tolist() == walk.boundary[0].tolist()
+            assert fb.light[b].tolist() == walk.kind[0].tolist()
         else:
             for f in ("nodes", "length", "light"):
                 assert torch.equal(getattr(fb, f)[b], getattr(hld, f)[b])

@@ -6,8 +6,9 @@ host sync, so the same code runs inside a CUDA-graph capture and the schedule re
 - `ancestor_closure`: M̄[b, j, i] = 1 iff i is j or an ancestor of j (the tree mask of the UT form);
   the plans build it through `ops.ancestor_closure` (the Triton kernel of `closure.py` where
   Triton runs).
-- `hld_schedule`: heavy-light decomposition into node-disjoint chains (the hybrid verifier's
-  schedule), equal to `specla.topology.heavy_light_chains` row by row.
+- `hld_schedule`: the hybrid verifier's schedule: heavy-light decomposition of the inner nodes
+  into node-disjoint chains, each node's leaves verified in place right after it; equal to
+  `specla.topology.heavy_light_chains` row by row.
 - `SERIAL_COST`/`prefer_serial`: a cost model that sends a row to one serial pass (one
   program per V-tile walking every node depth first) when heavy-light chains would not pay
   for their overhead; `hld_schedule(..., fallback=True)` writes that serial pass as the row's
@@ -83,7 +84,7 @@ class HybridSchedule:
 
     nodes: torch.Tensor  # [B, n, n]: nodes[b, c, p] = p-th node of chain c (valid for p < length)
     length: torch.Tensor  # [B, n]: nodes in chain c; 0 for unused slots
-    light: torch.Tensor  # [B, n]: 1 iff node has a child that starts another chain (a boundary)
+    light: torch.Tensor  # [B, n] per node: LEAF (verified in place), STORE (a boundary: a child starts another chain) or 0
     count: torch.Tensor  # [1]: the most chains of any row (the launch's grid is padded past it)
     serial_rows: torch.Tensor | None = None  # [B] bool: rows scheduled as one serial pass (fallback)
 
@@ -96,7 +97,8 @@ class HybridSchedule:
 # chain hops (Table 1 hybrid: 24.5 µs at 17 nodes, 38 µs at 33). Fitted when the serial pass
 # walked in index order, where restores grew with the node count (the two terms are confounded
 # in that data); it now walks depth first with leaves in place and restores 2-7 times on
-# Table 1's trees: refit from the next `bench kernels` run (`cost_fit`).
+# Table 1's trees, and the hybrid's chains now verify leaves in place (fewer chains, a longer
+# critical path): refit from the next `bench kernels` run (`cost_fit`).
 SERIAL_COST = {"node": 0.68, "restore": 0.77, "hybrid_fixed": 6.3, "hybrid_node": 0.76}
 
 
@@ -109,31 +111,38 @@ def serial_restores(parents: torch.Tensor) -> torch.Tensor:
     return (per_node - 1).clamp(min=0).sum(1)
 
 
-def _terms(parents: torch.Tensor, M: torch.Tensor, is_head: torch.Tensor):
-    """What the costs are linear in: (restores [B], depth [B, n], hops [B, n]): the serial pass's
-    restores, and per node the nodes and the chain starts on its root path."""
+def _terms(parents: torch.Tensor, M: torch.Tensor, is_head: torch.Tensor, leaf: torch.Tensor):
+    """What the costs are linear in: (restores [B], visits [B, n], hops [B, n]): the serial
+    pass's restores, and per node the hybrid's visits until its chain has verified it and its
+    leaves, and the chain starts on its root path (a chain continues once its boundary node is
+    visited, so a boundary's later leaves are not on that path)."""
     restores = serial_restores(parents)
+    par = parents.long().clamp(min=0)
+    n_leaves = torch.zeros(M.shape[:2], device=M.device).scatter_add_(1, par[:, 1:], leaf[:, 1:].float())
     hop = is_head.float().clone()
     hop[:, 0] = 0.0  # the root chain starts from the state, not from a boundary tile
-    depth = M.sum(2)  # nodes on the path root..j
+    # a chain node after the first waits for its chain predecessor's leaves too
+    behind = torch.where(is_head | leaf, 0.0, n_leaves.gather(1, par))
+    visits = torch.bmm(M, (1.0 + behind)[:, :, None])[..., 0] + n_leaves
     hops = torch.bmm(M, hop[:, :, None])[..., 0]  # chain starts on that path
-    return restores, depth, hops
+    return restores, visits, hops
 
 
 def cost_terms(parents: torch.Tensor):
     """`_terms` of a parent array [B, n] (for fitting `SERIAL_COST` to measured times)."""
     parents = parents.long()
     M = ancestor_closure(parents)
-    return _terms(parents, M, _heads(parents, M)[0])
+    return _terms(parents, M, *_heads(parents, M))
 
 
-def _costs(parents: torch.Tensor, M: torch.Tensor, is_head: torch.Tensor, cost: dict | None = None):
+def _costs(parents: torch.Tensor, M: torch.Tensor, is_head: torch.Tensor, leaf: torch.Tensor,
+           cost: dict | None = None):
     """(serial, hybrid) estimated cost per row, [B] each."""
     c = SERIAL_COST if cost is None else cost
     n = parents.shape[1]
-    restores, depth, hops = _terms(parents, M, is_head)
+    restores, visits, hops = _terms(parents, M, is_head, leaf)
     serial = c["node"] * n + c["restore"] * restores
-    crit = (c["node"] * depth + c["restore"] * hops).amax(1)
+    crit = (c["node"] * visits + c["restore"] * hops).amax(1)
     hybrid = c["hybrid_fixed"] + c["hybrid_node"] * n + crit
     return serial, hybrid
 
@@ -142,21 +151,26 @@ def prefer_serial(parents: torch.Tensor, cost: dict | None = None) -> torch.Tens
     """Bool [B]: the cost model expects one serial pass to beat heavy-light chains on the row."""
     parents = parents.long()
     M = ancestor_closure(parents)
-    serial, hybrid = _costs(parents, M, _heads(parents, M)[0], cost)
+    serial, hybrid = _costs(parents, M, *_heads(parents, M), cost)
     return serial <= hybrid
 
 
 def _heads(parents: torch.Tensor, M: torch.Tensor):
-    """(is_head [B, n], subtree sizes): heavy-light chain heads (ties: the lower index is heavy)."""
+    """(is_head [B, n], leaf [B, n]): the hybrid's chain heads and the leaves it verifies in
+    place. Leaves (nodes other than the root with no children) join their parent's chain; the
+    inner nodes are split by heavy-light decomposition (the inner child with the largest
+    subtree continues the chain, ties to the lower index), so a head is the root or an inner
+    node that is not its parent's heavy child."""
     B, n = parents.shape
     idx = torch.arange(n, device=parents.device)
     size = M.sum(1).long()  # subtree sizes
     par = parents[:, 1:].clamp(min=0)
-    score = size * (n + 1) + (n - idx)  # larger subtree first, then lower index
-    best = torch.zeros(B, n, dtype=torch.long, device=parents.device).scatter_reduce(1, par, score[:, 1:], "amax")
+    leaf = (size == 1) & (idx > 0)
+    score = torch.where(leaf, -1, size * (n + 1) + (n - idx))  # larger subtree first, then lower index
+    best = torch.full((B, n), -1, dtype=torch.long, device=parents.device).scatter_reduce(1, par, score[:, 1:], "amax")
     heavy = torch.zeros(B, n, dtype=torch.bool, device=parents.device)
-    heavy[:, 1:] = score[:, 1:] == best.gather(1, par)
-    return ~heavy, size
+    heavy[:, 1:] = (score[:, 1:] == best.gather(1, par)) | leaf[:, 1:]
+    return ~heavy, leaf
 
 
 LEAF, STORE = 2, 1  # `SerialWalk.kind`
@@ -169,7 +183,6 @@ class SerialWalk:
     order: torch.Tensor  # [B, n]: the t-th node visited
     parent: torch.Tensor  # [B, n]: the parent of order[t] (-1 for the root)
     kind: torch.Tensor  # [B, n] per node: LEAF, STORE (the walk returns to it later) or 0
-    boundary: torch.Tensor  # [B, n] per node: 1 where a walk without in-place leaves must store
 
 
 def serial_order(parents: torch.Tensor) -> SerialWalk:
@@ -182,8 +195,7 @@ def serial_order(parents: torch.Tensor) -> SerialWalk:
     starts from it without a restore. A restore happens only where the walk returns to a node
     for its second child with children of its own: sum over nodes of (such children - 1). The
     index order the pass used before (drafters number nodes depth by depth) restored at nearly
-    every node of a beam tree. `boundary` serves a walk that advances the tile at every node
-    (the hybrid's one-item fallback): a node with a child not visited right after it.
+    every node of a beam tree.
     """
     parents = parents.long()
     B, n = parents.shape
@@ -210,47 +222,50 @@ def serial_order(parents: torch.Tensor) -> SerialWalk:
     restore = (parent[:, 1:] != resident).int()
     store = torch.zeros(B, n, dtype=torch.int32, device=dev).scatter_add_(1, par.gather(1, order)[:, 1:], restore)
     kind = torch.where(inner, STORE * (store > 0).int(), LEAF).int()
-    gap = (pos[:, 1:] != pos.gather(1, par[:, 1:]) + 1).int()
-    boundary = torch.zeros(B, n, dtype=torch.int32, device=dev).scatter_add_(1, par[:, 1:], gap).clamp_(max=1)
-    return SerialWalk(order.int(), parent.int(), kind, boundary)
+    return SerialWalk(order.int(), parent.int(), kind)
 
 
 def hld_schedule(parents: torch.Tensor, fallback: bool = False, cost: dict | None = None) -> HybridSchedule:
-    """Heavy-light decomposition of every row (ties: the lower node index is heavy).
+    """The hybrid's chains for every row: the inner nodes by heavy-light decomposition (ties:
+    the lower node index is heavy), each chain visiting a node's leaves in place right after
+    the node (`_heads`). Equal to `topology.heavy_light_chains` row by row.
 
     fallback: rows the cost model (`SERIAL_COST`) expects to run faster as one serial pass get
-    a single item holding every node in the serial pass's order (`serial_order`: the kernel
-    restores a parent's tile from scratch whenever it is not the node just processed, and
-    `light` marks the walk's boundary nodes); `serial_rows` says which rows did.
+    a single item holding every node in the serial pass's walk (`serial_order`, with its kinds:
+    the kernel restores a parent's tile whenever it is not the resident one); `serial_rows`
+    says which rows did.
     """
     parents = parents.long()
     B, n = parents.shape
     dev = parents.device
     idx = torch.arange(n, device=dev)
     M = ops.ancestor_closure(parents)
-    is_head, _ = _heads(parents, M)
-    depth = M.sum(2).long() - 1
-    par = parents[:, 1:].clamp(min=0)
+    is_head, leaf = _heads(parents, M)
+    par = parents.clamp(min=0)
     # a node's chain starts at its deepest ancestor-or-self that is a chain head
     head = torch.where((M > 0) & is_head[:, None, :], idx, -1).amax(-1)
-    pos = depth - depth.gather(1, head)
+    n_leaves = torch.zeros(B, n, dtype=torch.long, device=dev).scatter_add_(1, par[:, 1:], leaf[:, 1:].long())
+    # position in the chain: one visit per chain node above, plus each one's leaves; a leaf
+    # comes after its parent and its lower-numbered leaf siblings
+    above = (M > 0) & (head[:, :, None] == head[:, None, :]) & (idx[:, None] != idx[None, :])
+    pos = (above.long() * torch.where(leaf, 0, 1 + n_leaves)[:, None, :]).sum(2)
+    sib = leaf[:, None, :] & (par[:, None, :] == par[:, :, None]) & (idx[None, :] < idx[:, None])
+    pos = pos + torch.where(leaf, sib.long().sum(2) - n_leaves.gather(1, par), 0)
     rank = is_head.long().cumsum(1) - 1
     chain = rank.gather(1, head)
     nodes = torch.zeros(B, n * n, dtype=torch.int32, device=dev)
     nodes.scatter_(1, chain * n + pos, idx.int().expand(B, n).contiguous())
     length = torch.zeros(B, n, dtype=torch.int32, device=dev)
     length.scatter_add_(1, chain, torch.ones(B, n, dtype=torch.int32, device=dev))
-    light = torch.zeros(B, n, dtype=torch.int32, device=dev)
-    light.scatter_add_(1, par, is_head[:, 1:].int())
-    light.clamp_(max=1)
+    store = torch.zeros(B, n, dtype=torch.int32, device=dev).scatter_add_(1, par[:, 1:], is_head[:, 1:].int())
+    light = torch.where(leaf, LEAF, STORE * (store > 0).int()).int()
     chains = is_head.sum(1)
     serial_rows = torch.zeros(B, dtype=torch.bool, device=dev)
     nodes = nodes.view(B, n, n)
     if fallback:
-        cs, ch = _costs(parents, M, is_head, cost)
+        cs, ch = _costs(parents, M, is_head, leaf, cost)
         serial_rows = cs <= ch
         walk = serial_order(parents)
-        s_light = walk.boundary
         s_nodes = torch.zeros(B, n, n, dtype=torch.int32, device=dev)
         s_nodes[:, 0] = walk.order
         s_length = torch.zeros(B, n, dtype=torch.int32, device=dev)
@@ -258,7 +273,7 @@ def hld_schedule(parents: torch.Tensor, fallback: bool = False, cost: dict | Non
         sel = serial_rows[:, None]
         nodes = torch.where(sel[:, :, None], s_nodes, nodes)
         length = torch.where(sel, s_length, length)
-        light = torch.where(sel, s_light, light)
+        light = torch.where(sel, walk.kind, light)
         chains = torch.where(serial_rows, torch.ones_like(chains), chains)
     count = chains.max().int().reshape(1)
     return HybridSchedule(nodes, length, light, count, serial_rows)

@@ -205,7 +205,7 @@ def tree_verify_kernel(
         kind = tl.load(light + b * n)  # the root's
     for t in range(0, L):
         cur, c_q, c_k, c_v, c_g, c_b = node, b_q, b_k, b_v, b_g, b_b
-        leaf = False  # only the serial pass verifies leaves in place
+        leaf = False  # only the serial pass and the hybrid verify leaves in place
         # prefetch the next node's inputs; they do not depend on the state
         if HYBRID:
             node = _pick(nrow, idx, t + 1)
@@ -226,6 +226,8 @@ def tree_verify_kernel(
 
         if HYBRID:
             par = _pick(prow, idx, cur)
+            cur_kind = _pick(lrow, idx, cur)
+            leaf = cur_kind == _LEAF
             if par != prev:  # the chain's first node: restore its parent's tile once it is ready
                 flag = flags + 1 + ((b * n + par) * HV + hv) * NV + vt
                 while tl.atomic_add(flag, 0, sem="acquire") == 0:
@@ -264,7 +266,7 @@ def tree_verify_kernel(
             tl.store(u + p_out, b_u, mask=mv)
 
         if HYBRID:
-            if _pick(lrow, idx, cur) > 0:
+            if cur_kind == _STORE:
                 p_dst = scratch + ((b * n + cur) * HV + hv).to(tl.int64) * K * V + tile
                 tl.store(p_dst, S, mask=m_S)
                 tl.debug_barrier()  # every thread's part of the tile is stored before the flag
@@ -274,8 +276,8 @@ def tree_verify_kernel(
                 p_dst = scratch + ((b * n + cur) * HV + hv).to(tl.int64) * K * V + tile
                 tl.store(p_dst, S, mask=m_S)
             S = tl.where(restore, S_next, S)
-        if HYBRID:
-            prev = cur
+        if HYBRID:  # the resident tile's node: a leaf leaves its parent's
+            prev = tl.where(leaf, prev, cur)
 
     if WRITE_FINAL:
         tl.store(p_S, S, mask=m_S)
