@@ -534,6 +534,7 @@ def test_cost_fit_recovers_the_model_that_made_the_times():
 def test_bench_kernels_runs_every_section_on_cpu(tmp_path):
     """`bench kernels --device cpu --quick`: every section runs under the interpreter (timings
     meaningless) and the JSON holds the issue's keys, the cost fit among them."""
+    from specla import topology
     from specla.bench import kernels
     from specla.ops.gdn import schedule
 
@@ -543,6 +544,15 @@ def test_bench_kernels_runs_every_section_on_cpu(tmp_path):
     assert {"topk", "depth", "nodes", "r2l_ms", "serial_ms", "parallel_ms", "hybrid_ms", "paths_ms"} <= set(res["table1"][0])
     quick_tree = torch.tensor([kernels.beam_tree(4, 4, 8, seed=0)])  # the quick run's one tree
     assert res["table1"][0]["serial_restores"] == float(schedule.serial_restores(quick_tree)[0])
+    chains = topology.heavy_light_chains(quick_tree[0])
+    assert res["table1"][0]["hybrid_chains"] == len(chains)
+    # the longest wait in visits: a chain starts once its first node's parent is visited
+    done, pb = {}, quick_tree[0].tolist()
+    for ch in chains:
+        t = done[pb[ch[0]]] if ch[0] else 0
+        for i, x in enumerate(ch):
+            done[x] = t + i + 1
+    assert res["table1"][0]["hybrid_path_visits"] == max(done.values())
     # every verifier the bench times also equals the reference at the bench's shape
     assert {"verify_serial", "verify_hybrid", "verify_parallel", "verify_paths_bv16_w4"} <= set(res["correctness"])
     assert all(e["rel"] < 1e-5 for e in res["correctness"]["verify_paths_bv16_w4"].values())

@@ -165,7 +165,10 @@ def table1(bench: Bench, tiling: dict) -> list[dict]:
         stats, schedules = [], []
         for seed in seeds:
             p = beam_tree(topk, depth, nodes, seed=seed)
-            stats.append({**tree_stats(p), "restores": float(schedule.serial_restores(torch.tensor([p]))[0])})
+            _, visits, _ = schedule.cost_terms(torch.tensor([p]))
+            stats.append({**tree_stats(p), "restores": float(schedule.serial_restores(torch.tensor([p]))[0]),
+                          "chains": int(schedule.hld_schedule(torch.tensor([p])).count),
+                          "visits": float(visits.max())})
             par = torch.tensor([p], device=bench.device)
             ins = bench.layer_inputs(len(p), 100 + seed)
             leaf_paths = root_to_leaf_paths(torch.tensor(p))
@@ -198,6 +201,9 @@ def table1(bench: Bench, tiling: dict) -> list[dict]:
             "topk": topk, "depth": depth, "nodes": nodes, "trees": len(seeds),
             "leaves": statistics.mean(s["leaves"] for s in stats), "tree_depth": statistics.mean(s["depth"] for s in stats),
             "serial_restores": statistics.mean(s["restores"] for s in stats),  # a layer, schedule.serial_order
+            # the hybrid's chains and the visits on its longest root-to-node path (schedule._terms)
+            "hybrid_chains": statistics.mean(s["chains"] for s in stats),
+            "hybrid_path_visits": statistics.mean(s["visits"] for s in stats),
             "r2l_ms": ms["r2l"], "serial_ms": ms["serial"], "parallel_ms": ms["parallel"], "hybrid_ms": ms["hybrid"],
             "serial_x": ms["r2l"] / ms["serial"], "parallel_x": ms["r2l"] / ms["parallel"],
             "hybrid_x": ms["r2l"] / ms["hybrid"], "hybrid_over_serial_x": ms["serial"] / ms["hybrid"],
