@@ -165,10 +165,9 @@ def table1(bench: Bench, tiling: dict) -> list[dict]:
         stats, schedules = [], []
         for seed in seeds:
             p = beam_tree(topk, depth, nodes, seed=seed)
-            _, visits, _ = schedule.cost_terms(torch.tensor([p]))
-            stats.append({**tree_stats(p), "restores": float(schedule.serial_restores(torch.tensor([p]))[0]),
-                          "chains": int(schedule.hld_schedule(torch.tensor([p])).count),
-                          "visits": float(visits.max())})
+            restores, visits, _ = schedule.cost_terms(torch.tensor([p]))
+            stats.append({**tree_stats(p), "restores": float(restores[0]), "visits": float(visits.max()),
+                          "chains": int(schedule.hld_schedule(torch.tensor([p])).count)})
             par = torch.tensor([p], device=bench.device)
             ins = bench.layer_inputs(len(p), 100 + seed)
             leaf_paths = root_to_leaf_paths(torch.tensor(p))

@@ -111,14 +111,15 @@ def serial_restores(parents: torch.Tensor) -> torch.Tensor:
     return (per_node - 1).clamp(min=0).sum(1)
 
 
-def _terms(parents: torch.Tensor, M: torch.Tensor, is_head: torch.Tensor, leaf: torch.Tensor):
+def _terms(parents: torch.Tensor, M: torch.Tensor, is_head: torch.Tensor, leaf: torch.Tensor,
+           n_leaves: torch.Tensor):
     """What the costs are linear in: (restores [B], visits [B, n], hops [B, n]): the serial
     pass's restores, and per node the hybrid's visits until its chain has verified it and its
     leaves, and the chain starts on its root path (a chain continues once its boundary node is
     visited, so a boundary's later leaves are not on that path)."""
     restores = serial_restores(parents)
     par = parents.long().clamp(min=0)
-    n_leaves = torch.zeros(M.shape[:2], device=M.device).scatter_add_(1, par[:, 1:], leaf[:, 1:].float())
+    n_leaves = n_leaves.float()
     hop = is_head.float().clone()
     hop[:, 0] = 0.0  # the root chain starts from the state, not from a boundary tile
     # a chain node after the first waits for its chain predecessor's leaves too
@@ -136,11 +137,11 @@ def cost_terms(parents: torch.Tensor):
 
 
 def _costs(parents: torch.Tensor, M: torch.Tensor, is_head: torch.Tensor, leaf: torch.Tensor,
-           cost: dict | None = None):
+           n_leaves: torch.Tensor, cost: dict | None = None):
     """(serial, hybrid) estimated cost per row, [B] each."""
     c = SERIAL_COST if cost is None else cost
     n = parents.shape[1]
-    restores, visits, hops = _terms(parents, M, is_head, leaf)
+    restores, visits, hops = _terms(parents, M, is_head, leaf, n_leaves)
     serial = c["node"] * n + c["restore"] * restores
     crit = (c["node"] * visits + c["restore"] * hops).amax(1)
     hybrid = c["hybrid_fixed"] + c["hybrid_node"] * n + crit
@@ -156,8 +157,8 @@ def prefer_serial(parents: torch.Tensor, cost: dict | None = None) -> torch.Tens
 
 
 def _heads(parents: torch.Tensor, M: torch.Tensor):
-    """(is_head [B, n], leaf [B, n]): the hybrid's chain heads and the leaves it verifies in
-    place. Leaves (nodes other than the root with no children) join their parent's chain; the
+    """(is_head [B, n], leaf [B, n], n_leaves [B, n]): the hybrid's chain heads, the leaves it
+    verifies in place and each node's count of leaf children. Leaves (nodes other than the root with no children) join their parent's chain; the
     inner nodes are split by heavy-light decomposition (the inner child with the largest
     subtree continues the chain, ties to the lower index), so a head is the root or an inner
     node that is not its parent's heavy child."""
@@ -170,7 +171,8 @@ def _heads(parents: torch.Tensor, M: torch.Tensor):
     best = torch.full((B, n), -1, dtype=torch.long, device=parents.device).scatter_reduce(1, par, score[:, 1:], "amax")
     heavy = torch.zeros(B, n, dtype=torch.bool, device=parents.device)
     heavy[:, 1:] = (score[:, 1:] == best.gather(1, par)) | leaf[:, 1:]
-    return ~heavy, leaf
+    n_leaves = torch.zeros(B, n, dtype=torch.long, device=parents.device).scatter_add_(1, par, leaf[:, 1:].long())
+    return ~heavy, leaf, n_leaves
 
 
 LEAF, STORE = 2, 1  # `SerialWalk.kind`
@@ -240,11 +242,10 @@ def hld_schedule(parents: torch.Tensor, fallback: bool = False, cost: dict | Non
     dev = parents.device
     idx = torch.arange(n, device=dev)
     M = ops.ancestor_closure(parents)
-    is_head, leaf = _heads(parents, M)
+    is_head, leaf, n_leaves = _heads(parents, M)
     par = parents.clamp(min=0)
     # a node's chain starts at its deepest ancestor-or-self that is a chain head
     head = torch.where((M > 0) & is_head[:, None, :], idx, -1).amax(-1)
-    n_leaves = torch.zeros(B, n, dtype=torch.long, device=dev).scatter_add_(1, par[:, 1:], leaf[:, 1:].long())
     # position in the chain: one visit per chain node above, plus each one's leaves; a leaf
     # comes after its parent and its lower-numbered leaf siblings
     above = (M > 0) & (head[:, :, None] == head[:, None, :]) & (idx[:, None] != idx[None, :])
@@ -263,7 +264,7 @@ def hld_schedule(parents: torch.Tensor, fallback: bool = False, cost: dict | Non
     serial_rows = torch.zeros(B, dtype=torch.bool, device=dev)
     nodes = nodes.view(B, n, n)
     if fallback:
-        cs, ch = _costs(parents, M, is_head, leaf, cost)
+        cs, ch = _costs(parents, M, is_head, leaf, n_leaves, cost)
         serial_rows = cs <= ch
         walk = serial_order(parents)
         s_nodes = torch.zeros(B, n, n, dtype=torch.int32, device=dev)

@@ -46,7 +46,6 @@ import triton.language as tl
 from specla.ops import pdl
 from specla.ops.gdn.commit import advance_tile, decay_update, pending_args, real_nodes
 from specla.ops.gdn import schedule
-from specla.ops.gdn.schedule import plan_for
 from specla.ops.pdl import wait_previous
 
 # `SerialWalk.kind` values, as constants the kernel can read
@@ -325,7 +324,7 @@ def launch(q, k, v, g, beta, state, parents, scale, pending, *, grid, tree, hybr
     if hybrid is not None:
         sched = hybrid
     elif tree and paths is None:
-        walk = plan_for(parents).serial_order(parents)
+        walk = schedule.plan_for(parents).serial_order(parents)
         sched = (walk.order, walk.parent, walk.kind, parents, parents)
     elif paths is not None:  # the paths, their lengths and the leaf count in the hybrid's slots
         sched = (paths[0], paths[1], parents, paths[2], parents)
