@@ -89,17 +89,17 @@ class HybridSchedule:
     serial_rows: torch.Tensor | None = None  # [B] bool: rows scheduled as one serial pass (fallback)
 
 
-# Cost model, in µs per layer at the paper shape (HV = 8, dk = dv = 256, BV = 8, 1 warp), fitted
-# to the H200 run of commit 0e26c50: the serial chain kernel costs ~0.68 µs a node; a node that
-# restores its parent's tile from scratch ~0.77 µs more (Table 1 serial: 23 µs at 17 nodes, 46
-# µs at 33); the hybrid costs ~6.3 µs plus ~0.76 µs a node of total work (programs, boundary
-# traffic: it barely depended on the tree's shape) plus its critical path of chained nodes and
-# chain hops (Table 1 hybrid: 24.5 µs at 17 nodes, 38 µs at 33). Fitted when the serial pass
-# walked in index order, where restores grew with the node count (the two terms are confounded
-# in that data); it now walks depth first with leaves in place and restores 2-7 times on
-# Table 1's trees, and the hybrid's chains now verify leaves in place (fewer chains, a longer
-# critical path): refit from the next `bench kernels` run (`cost_fit`).
-SERIAL_COST = {"node": 0.68, "restore": 0.77, "hybrid_fixed": 6.3, "hybrid_node": 0.76}
+# Cost model, in µs per layer at the paper shape (HV = 8, dk = dv = 256, BV = 8, 1 warp),
+# fitted by `bench kernels` (`cost_fit`, least squares over Table 1's 12 beam trees) on the
+# H200 at 658292c (kernels_658292c_h200.json), where the serial pass walks depth first with
+# leaves in place and the hybrid's chains verify leaves in place: a visited node costs ~0.93 µs
+# and a restore nothing measurable (the parent's tile is loaded while the node before it
+# computes); the hybrid ~8.3 µs plus ~0.33 µs a node of total work (programs, boundary traffic)
+# plus its critical path of visits. With these constants the model sends each of the 12 trees
+# to the route that measured faster (the constants before, fitted when the serial pass walked
+# in index order, 8 of 12); the (4, 4, 32) and (4, 24, 32) trees, where it picks chains, are
+# within 2% either way.
+SERIAL_COST = {"node": 0.93, "restore": 0.0, "hybrid_fixed": 8.3, "hybrid_node": 0.33}
 
 
 def serial_restores(parents: torch.Tensor) -> torch.Tensor:
