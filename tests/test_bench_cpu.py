@@ -53,6 +53,20 @@ def test_controlled_keeps_finished_lengths_when_cut_short(tmp_path, monkeypatch)
     assert [r["L"] for r in data["per_length"]] == [5]
 
 
+def test_controlled_keeps_the_round_when_cut_in_the_first_length(tmp_path, monkeypatch):
+    """A run stopped while its first chain length compiles still leaves the AR step and the
+    16-node round on disk (what a call's time bound cut on a cold machine)."""
+    def stop(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(controlled.ChainRuntime, "__init__", stop)
+    with pytest.raises(KeyboardInterrupt):
+        controlled.run(shape="tiny", device="cpu", quick=True, lengths=(5,), out_dir=tmp_path, name="cold")
+    data = json.loads((tmp_path / "cold.json").read_text())
+    assert data["complete"] is False and data["grid"] == [] and data["per_length"] == []
+    assert data["ar_ms_per_token"] > 0 and data["round16_ms"] > 0 and data["round16_paired"]["pairs"] == 5
+
+
 def test_sampled_acceptance_is_truncated_geometric():
     rng = random.Random(0)
     for p, L in ((0.5, 5), (0.8, 12), (0.0, 7), (1.0, 6)):
