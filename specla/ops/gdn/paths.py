@@ -20,7 +20,10 @@ The tables list the leaves first, so the walking programs lead the grid and the 
 the leaves, which only exit, come last. The pending (delayed) update is applied by every path to
 its own copy of the root tile; the durable tile is written back, after its walk, by whichever
 path loaded it last (a per-tile counter, reset by that program, `ops.counters`), so no path
-reads a tile another has already advanced.
+reads a tile another has already advanced. With programmatic dependent launch (`ops.pdl`) the
+tile is loaded and advanced before the program waits for the prelude (every program, walking
+or not: the path tables are read after the wait, since at the first layer they come from the
+launch just before), as a chain verify does; until 2026-12-06 the paths launched without PDL.
 """
 
 from __future__ import annotations

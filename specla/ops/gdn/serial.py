@@ -28,8 +28,9 @@ memory latency behind the recurrence.
 pending accepted path right after it is loaded, written back to `state` (the durable state now
 includes the previous round's commit), and verification continues from the advanced tile.
 
-With programmatic dependent launch (`ops.pdl`, chains and the serial pass) the tile is loaded,
-advanced and flushed before the program waits for the prelude that writes the nodes' inputs.
+With programmatic dependent launch (`ops.pdl`: chains, the serial pass and the paths, not the
+hybrid) the tile is loaded and advanced (and flushed, but by the paths, whose last walking
+program writes it back) before the program waits for the prelude that writes the nodes' inputs.
 
 `valid` [B] (chains and the serial tree pass): nodes j >= valid[b] are padding of a fixed-width
 verify (`drafters.base.pad_draft`); the recurrence stops there and their o and u are written as zeros.
@@ -75,6 +76,22 @@ def _durable_tile(p_S, m_S, b, hv, i_h, pk, pg, pu, plen, P, o_k, mk, o_v, mv, H
         if tl.load(plen + b) > 0:  # an empty pending buffer leaves the state as it is
             tl.store(p_S, S, mask=m_S)
     return S
+
+
+@triton.jit
+def _path_row(chain_len, n_chains, valid, p_tab, b, c, n, HAS_VALID: tl.constexpr):
+    """PATHS mode: the c-th path's length (0 past the leaves), the row's leaf count and real
+    nodes (what the program's last steps test, read now: a load after the walk's stores would
+    hold the program's end for a memory round trip) and the path's second node."""
+    L = tl.load(chain_len + b * n + c)
+    leaves = tl.load(n_chains + b)
+    real = n
+    if HAS_VALID:
+        real = real_nodes(valid, b, n)
+    # masked by n, not by L: the row holds NP >= n entries, so the load need not wait for L's
+    # (a walk of one node never uses it)
+    node_next = tl.load(p_tab + 1, mask=n > 1, other=0)
+    return L, leaves, real, node_next
 
 
 @triton.jit(do_not_specialize=["n", "P", "n_tiles"])
@@ -123,18 +140,12 @@ def tree_verify_kernel(
         node = _pick(nrow, idx, 0)
     elif PATHS:
         # program c walks the c-th leaf's path root..leaf (`schedule.path_tables`, built once a
-        # round, leaves first): its nodes, in index order, read back one node ahead as scalars
-        L = tl.load(chain_len + b * n + c)  # 0 past the leaves
-        # what the program's last steps test, read now: a load after the walk's stores would
-        # hold the program's end for a memory round trip
-        leaves = tl.load(n_chains + b)
-        real = n
-        if HAS_VALID:
-            real = real_nodes(valid, b, n)
+        # round, leaves first): its nodes, in index order, read back one node ahead as scalars.
+        # With PDL the row is read after the wait: the tables come from the launch just before
+        # the first layer's verify
         p_tab = chain_nodes + (b * n + c).to(tl.int64) * NP
-        # masked by n, not by L: the row holds NP >= n entries, so the load need not wait for L's
-        # (a walk of one node never uses it)
-        node_next = tl.load(p_tab + 1, mask=n > 1, other=0)
+        if not PDL:
+            L, leaves, real, node_next = _path_row(chain_len, n_chains, valid, p_tab, b, c, n, HAS_VALID)
         node = tl.program_id(0) * 0
     else:
         L = n
@@ -151,10 +162,21 @@ def tree_verify_kernel(
     tile = o_k[:, None] * V + o_v[None, :]
     p_S = state + (b * HV + hv).to(tl.int64) * K * V + tile
 
-    if PDL:  # (chains and the serial pass only) the durable tile and its pending update are
-        # this layer's own: loaded, advanced and flushed while the prelude still writes the inputs
-        S = _durable_tile(p_S, m_S, b, hv, i_h, pk, pg, pu, plen, P, o_k, mk, o_v, mv, H, HV, K, V, PP, HAS_PENDING)
+    if PDL:  # (not the hybrid) the durable tile and its pending update are this layer's own:
+        # loaded and advanced (and flushed, but by the paths) while the prelude still writes the inputs
+        if PATHS:
+            # every program advances its own copy, walking or not (its path's length is read
+            # after the wait); the write-back stays with the last walking program (below)
+            S = tl.load(p_S, mask=m_S, other=0.0)
+            if HAS_PENDING:
+                S = advance_tile(S, b, hv, i_h, pk, pg, pu, plen, plen, P, P, o_k, mk, o_v, mv,
+                                 H, HV, K, V, PP, False)
+        else:
+            S = _durable_tile(p_S, m_S, b, hv, i_h, pk, pg, pu, plen, P, o_k, mk, o_v, mv, H, HV, K, V, PP,
+                              HAS_PENDING)
         wait_previous(PDL)
+        if PATHS:
+            L, leaves, real, node_next = _path_row(chain_len, n_chains, valid, p_tab, b, c, n, HAS_VALID)
     # without PDL the first node's inputs are requested before the state tile, so both loads overlap
     p_q = q + b.to(tl.int64) * s_qb + i_h * K + o_k
     p_k = k + b.to(tl.int64) * s_kb + i_h * K + o_k
@@ -168,9 +190,10 @@ def tree_verify_kernel(
     b_b = tl.load(beta + p_gb + node * HV, mask=ok, other=0.0).to(tl.float32)
 
     if PATHS:
-        # requested before the program knows whether it walks (L), so the two loads overlap;
-        # the programs past the leaves come last in the grid and only touch it in L2
-        S = tl.load(p_S, mask=m_S, other=0.0)
+        if not PDL:
+            # requested before the program knows whether it walks (L), so the two loads overlap;
+            # the programs past the leaves come last in the grid and only touch it in L2
+            S = tl.load(p_S, mask=m_S, other=0.0)
         start = L > 0
     elif PDL:
         start = False  # the tile is in hand
@@ -184,8 +207,9 @@ def tree_verify_kernel(
             S = _durable_tile(p_S, m_S, b, hv, i_h, pk, pg, pu, plen, P, o_k, mk, o_v, mv, H, HV, K, V, PP,
                               HAS_PENDING)
         elif HAS_PENDING:
-            S = advance_tile(S, b, hv, i_h, pk, pg, pu, plen, plen, P, P, o_k, mk, o_v, mv,
-                             H, HV, K, V, PP, False)
+            if not PDL:  # with PDL the tile was advanced before the wait
+                S = advance_tile(S, b, hv, i_h, pk, pg, pu, plen, plen, P, P, o_k, mk, o_v, mv,
+                                 H, HV, K, V, PP, False)
             if tl.load(plen + b) > 0:  # an empty pending buffer leaves the state as it is
                 # every path advanced its own copy of the tile; the last to have loaded it
                 # writes it back after its walk (nobody reads the durable tile then). A
@@ -318,9 +342,10 @@ def launch(q, k, v, g, beta, state, parents, scale, pending, *, grid, tree, hybr
     # boundary tiles, indexed by node id; allocation only: just the boundaries are written
     scratch = torch.empty(B, n, HV, K, V, dtype=torch.float32, device=dev) if tree and paths is None else o
     pk, pg, pu, plen, P, PP, has_pending = pending_args(pending, dev)
-    # the hybrid's and the paths' programs synchronise through flags and counters that the
-    # launch before them zeroes: they wait for it whole
-    pdl_options = pdl.launch_options(dev, allowed=hybrid is None and paths is None)
+    # the hybrid's programs synchronise through flags that the launch before them zeroes: they
+    # wait for it whole. The paths' counters are re-armed by the last program of the launch
+    # that used them, which finished before this layer's first launch (a cuBLAS matmul, no PDL)
+    pdl_options = pdl.launch_options(dev, allowed=hybrid is None)
     if hybrid is not None:
         sched = hybrid
     elif tree and paths is None:
