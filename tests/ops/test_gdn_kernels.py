@@ -253,6 +253,7 @@ def test_serial_walk(n, kind, seed, real):
                 restored.append(pb[node])
             resident = node if kids[node] else pb[node]
         assert len(restored) == sum(max(0, sum(1 for c in kids[i] if kids[c]) - 1) for i in range(n))
+        assert float(schedule.serial_restores(par[b:b + 1])[0]) == len(restored)  # the cost model's count
         assert walk.kind[b].tolist() == [schedule.LEAF if not kids[i] else schedule.STORE * (i in restored)
                                          for i in range(n)]
     assert sorted(walk.order[2, real:].tolist()) == list(range(real, n))

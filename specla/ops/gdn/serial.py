@@ -67,14 +67,17 @@ def _pick(vec, idx, i):
 
 @triton.jit
 def _durable_tile(p_S, m_S, b, hv, i_h, pk, pg, pu, plen, P, o_k, mk, o_v, mv, H: tl.constexpr, HV: tl.constexpr,
-                  K: tl.constexpr, V: tl.constexpr, PP: tl.constexpr, HAS_PENDING: tl.constexpr):
-    """The root program's state tile: loaded, advanced by the pending update and written back
-    (the durable state now includes the previous round's commit)."""
+                  K: tl.constexpr, V: tl.constexpr, PP: tl.constexpr, HAS_PENDING: tl.constexpr,
+                  FLUSH: tl.constexpr = True):
+    """The root program's state tile: loaded, advanced by the pending update and, with FLUSH,
+    written back (the durable state now includes the previous round's commit; the path mode
+    writes it back itself, after the walks)."""
     S = tl.load(p_S, mask=m_S, other=0.0)
     if HAS_PENDING:
         S = advance_tile(S, b, hv, i_h, pk, pg, pu, plen, plen, P, P, o_k, mk, o_v, mv, H, HV, K, V, PP, False)
-        if tl.load(plen + b) > 0:  # an empty pending buffer leaves the state as it is
-            tl.store(p_S, S, mask=m_S)
+        if FLUSH:
+            if tl.load(plen + b) > 0:  # an empty pending buffer leaves the state as it is
+                tl.store(p_S, S, mask=m_S)
     return S
 
 
@@ -163,17 +166,11 @@ def tree_verify_kernel(
     p_S = state + (b * HV + hv).to(tl.int64) * K * V + tile
 
     if PDL:  # (not the hybrid) the durable tile and its pending update are this layer's own:
-        # loaded and advanced (and flushed, but by the paths) while the prelude still writes the inputs
-        if PATHS:
-            # every program advances its own copy, walking or not (its path's length is read
-            # after the wait); the write-back stays with the last walking program (below)
-            S = tl.load(p_S, mask=m_S, other=0.0)
-            if HAS_PENDING:
-                S = advance_tile(S, b, hv, i_h, pk, pg, pu, plen, plen, P, P, o_k, mk, o_v, mv,
-                                 H, HV, K, V, PP, False)
-        else:
-            S = _durable_tile(p_S, m_S, b, hv, i_h, pk, pg, pu, plen, P, o_k, mk, o_v, mv, H, HV, K, V, PP,
-                              HAS_PENDING)
+        # loaded and advanced (and flushed, but by the paths) while the prelude still writes the
+        # inputs. A path program advances its own copy, walking or not (its path's length is read
+        # after the wait); the write-back stays with the last walking program (below)
+        S = _durable_tile(p_S, m_S, b, hv, i_h, pk, pg, pu, plen, P, o_k, mk, o_v, mv, H, HV, K, V, PP,
+                          HAS_PENDING, FLUSH=not PATHS)
         wait_previous(PDL)
         if PATHS:
             L, leaves, real, node_next = _path_row(chain_len, n_chains, valid, p_tab, b, c, n, HAS_VALID)
