@@ -82,6 +82,17 @@ def _durable_tile(p_S, m_S, b, hv, i_h, pk, pg, pu, plen, P, o_k, mk, o_v, mv, H
 
 
 @triton.jit
+def _node_inputs(p_q, p_k, p_v, g, beta, p_gb, node, ok, s_qn, s_kn, s_vn, mk, mv, HV: tl.constexpr):
+    """A node's q, k, v (fp32 rows of the program's head and V-tile), g and beta; zeros where not ok."""
+    b_q = tl.load(p_q + node * s_qn, mask=mk & ok, other=0.0).to(tl.float32)
+    b_k = tl.load(p_k + node * s_kn, mask=mk & ok, other=0.0).to(tl.float32)
+    b_v = tl.load(p_v + node * s_vn, mask=mv & ok, other=0.0).to(tl.float32)
+    b_g = tl.load(g + p_gb + node * HV, mask=ok, other=0.0).to(tl.float32)
+    b_b = tl.load(beta + p_gb + node * HV, mask=ok, other=0.0).to(tl.float32)
+    return b_q, b_k, b_v, b_g, b_b
+
+
+@triton.jit
 def _path_row(chain_len, n_chains, valid, p_tab, b, c, n, HAS_VALID: tl.constexpr):
     """PATHS mode: the c-th path's length (0 past the leaves), the row's leaf count and real
     nodes (what the program's last steps test, read now: a load after the walk's stores would
@@ -180,11 +191,7 @@ def tree_verify_kernel(
     p_v = v + b.to(tl.int64) * s_vb + hv * V + o_v
     p_gb = b * n * HV + hv  # g and beta are contiguous [B, n, HV]
     ok = node >= 0
-    b_q = tl.load(p_q + node * s_qn, mask=mk & ok, other=0.0).to(tl.float32)
-    b_k = tl.load(p_k + node * s_kn, mask=mk & ok, other=0.0).to(tl.float32)
-    b_v = tl.load(p_v + node * s_vn, mask=mv & ok, other=0.0).to(tl.float32)
-    b_g = tl.load(g + p_gb + node * HV, mask=ok, other=0.0).to(tl.float32)
-    b_b = tl.load(beta + p_gb + node * HV, mask=ok, other=0.0).to(tl.float32)
+    b_q, b_k, b_v, b_g, b_b = _node_inputs(p_q, p_k, p_v, g, beta, p_gb, node, ok, s_qn, s_kn, s_vn, mk, mv, HV)
 
     if PATHS:
         if not PDL:
@@ -238,11 +245,8 @@ def tree_verify_kernel(
         else:
             node = cur + 1
         ok = t + 1 < L
-        b_q = tl.load(p_q + node * s_qn, mask=mk & ok, other=0.0).to(tl.float32)
-        b_k = tl.load(p_k + node * s_kn, mask=mk & ok, other=0.0).to(tl.float32)
-        b_v = tl.load(p_v + node * s_vn, mask=mv & ok, other=0.0).to(tl.float32)
-        b_g = tl.load(g + p_gb + node * HV, mask=ok, other=0.0).to(tl.float32)
-        b_b = tl.load(beta + p_gb + node * HV, mask=ok, other=0.0).to(tl.float32)
+        b_q, b_k, b_v, b_g, b_b = _node_inputs(p_q, p_k, p_v, g, beta, p_gb, node, ok, s_qn, s_kn, s_vn, mk, mv,
+                                               HV)
 
         if HYBRID:
             par = _pick(prow, idx, cur)
