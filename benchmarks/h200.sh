@@ -20,6 +20,13 @@ export PYTHONUNBUFFERED=1 SPECLA_COMMIT=${SPECLA_COMMIT:-unknown}
 LANE=${LANE:-a}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STAGE=/tmp/specla-stage-$LANE; rm -rf "$STAGE"; mkdir -p "$STAGE"
+if [ -n "${SRC:-}" ]; then  # SRC=DIR: run the lane on another commit's tree, carried as an ignored
+  # folder (`bash benchmarks/old_tree.sh REV`: its code without specla/models, which it takes
+  # from here), so two commits are timed in one call on one machine
+  [ -d "$SRC/specla/models" ] || cp -r specla/models "$SRC/specla/"
+  for d in .whl .run .corpus; do [ -e "$d" ] && [ ! -e "$SRC/$d" ] && cp -r "$d" "$SRC/"; done
+  cd "$SRC" || exit 1
+fi
 if [ -d .whl ]; then
   mkdir -p /tmp/site-lock
   ( flock 9; [ -f /tmp/site/.done ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -37,7 +44,7 @@ smoke() {  # the versions there differ from CI's (DESIGN §9)
 import sys, torch, triton, transformers, fla, specla
 print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__,
       "transformers", transformers.__version__, "fla", fla.__version__, "cuda", torch.version.cuda,
-      "gpu", torch.cuda.get_device_name())
+      "gpu", torch.cuda.get_device_name(), "specla from", specla.__file__)
 PY
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv
 }
