@@ -3,7 +3,10 @@
 length, then profiled once per route with CPU and CUDA activities, so eager host ops, graph
 launches and kernels can be counted side by side.
 
-    python benchmarks/diagnostics/prefill_routes.py [--lengths 8,16,32,64,100] [--out FILE]
+    python benchmarks/diagnostics/prefill_routes.py [--lengths 8,16,32,64,100] [--kernels 100] [--out FILE]
+
+--kernels N also profiles the GPU kernels of an N-token prefill per route (`profile_fn`: kernels,
+GPU time and the top kernels a prefill), to see what a prompt of the suites' usual length costs.
 
 Runs the demo pair (SPECLA_COMPILE=1 for the fused path, as bench e2e runs it). The prefill is
 `Decoder.prefill`, timed as `Decoder.run` times it (after `Decoder.start`).
@@ -21,6 +24,7 @@ import torch
 
 import specla.api as api
 from specla.bench.common import environment
+from specla.bench.decode import profile_fn
 from specla.decode import Decoder, _sync
 
 ROUTES = ("ar", "chain", "tree")
@@ -47,6 +51,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="8,16,24,32,48,64,100")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--kernels", type=int, default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     lm = api.load(None, device="auto")
@@ -54,8 +59,10 @@ def main() -> None:
     vocab = lm.model.cfg.vocab_size
     gen = torch.Generator().manual_seed(0)
     lengths = [int(x) for x in args.lengths.split(",")]
+    if args.kernels:
+        lengths = sorted(set(lengths) | {args.kernels})
     prompts = {n: torch.randint(3, vocab, (1, n), generator=gen) for n in lengths}
-    res = {"timing_ms": {}, "profile": {}}
+    res = {"timing_ms": {}, "profile": {}, "kernels": {}}
     for route in ROUTES:
         for n in lengths:  # warm: compile, capture every graph these prompts take
             lm.generate(prompts[n][0].tolist(), route=route, max_new_tokens=16)
@@ -71,6 +78,10 @@ def main() -> None:
                 _sync(dev)
                 ts.append((time.perf_counter() - t) * 1e3)
             res["timing_ms"][route][n] = statistics.median(ts)
+        if args.kernels and dev.type == "cuda":
+            k = args.kernels
+            res["kernels"][route] = {"prompt_tokens": k, **profile_fn(
+                lambda: dec.prefill(dec.start(1, k + 16), prompts[k].to(dev)), 5, dev)}
         n = lengths[len(lengths) // 2]
         from torch.profiler import ProfilerActivity, profile
 
@@ -91,6 +102,11 @@ def main() -> None:
             "top_cpu": _top(cpu),
         }
     print(json.dumps(res["timing_ms"], indent=1))
+    for route, p in res["kernels"].items():
+        print(route, "kernels of a", p["prompt_tokens"], "token prefill:",
+              {k: v for k, v in p.items() if k != "top"})
+        for t in p["top"][:20]:
+            print("   ", t)
     for route, p in res["profile"].items():
         print(route, {k: v for k, v in p.items() if k != "top_cpu"})
         for t in p["top_cpu"]:
