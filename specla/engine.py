@@ -68,6 +68,12 @@ def prefill_chunks(T: int, mode: str) -> list[tuple[int, int]]:
     return chunks
 
 
+def prompt_chunks(T: int) -> list[tuple[int, int]]:
+    """`prefill_chunks` of a T-token prompt in the mode it prefers: the chunk widths a graphed
+    prefill replays (the target's, and the EAGLE drafter's over the same tokens)."""
+    return prefill_chunks(T, preferred_prefill_mode(T))
+
+
 @dataclass
 class Round:
     """What a settled round hands on: the accepted path's tokens [B, W] (root first) and their

@@ -359,6 +359,11 @@ def test_warm_set_covers_every_power_of_two_context():
     # a prompt prefills all but its last token: the 129-token prompt's chunk is 128 wide, so the
     # 135-token one (134 tokens, 256 wide) needs its own item (e2e_4cce904's HumanEval/0)
     assert warm_set([(129, "p129"), (135, "p135"), (380, "p380")], 128) == ["p380", "p135", "p129"]
+    # the EAGLE drafter's prompt extend takes the same chunks, with a graph of its own for a
+    # prompt's first chunk: the 519-token prompt's 64-wide remainder is not a first chunk, so the
+    # 50-token prompt (one 64-wide chunk) needs its own item though the target's graph is warm
+    items = [(520, "p520"), (640, "p640"), (3, "p3"), (120, "p120"), (50, "p50")]
+    assert warm_set(items, 128) == ["p640", "p520", "p120", "p50", "p3"]
 
 
 def test_prefill_spans_leave_the_root():

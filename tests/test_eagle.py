@@ -14,12 +14,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specla import fused, ops, topology
+from specla import engine, fused, ops, topology
 from specla.api import DEMO_DIR
 from specla.checkpoint import load_model, save_model
 from specla.config import ModelConfig
 from specla.decode import Decoder
-from specla.drafters import eagle, tree
+from specla.drafters import tree
 from specla.drafters.base import MIN_WINDOW, attention_window, pad_drafts
 from specla.drafters.eagle import (EagleConfig, EagleDrafter, EagleDrafterModel, find_drafter, load_drafter,
                                    save_drafter)
@@ -536,14 +536,38 @@ def test_graphed_drafting_equals_eager(monkeypatch, route):
     assert graphed.capacity > 16 and graphed._extend_graphs  # the cache grew; extend ran from a graph
     # the prompt's (first) chunk replayed a graph too; a round's extend reads the accepted path's
     # longest possible width, not the node budget
-    assert set(graphed._extend_graphs) == {(eagle.PROMPT_CHUNK, True), (graphed.depth + 1, False)}
+    W = engine.PREFILL_WIDTH  # the prompt's 15 tokens take one chain-wide chunk
+    assert set(graphed._extend_graphs) == {(W, True), (graphed.depth + 1, False)}
     # prefill in chunks of another width: no extend graph of a new width (it would compile
     # mid-generation); the chunks after the first take the prompt width's other graph
     prompt = torch.tensor([make_prompt(cfg, 3, 14)])  # 20 tokens: chunks of 8, 8 and 3
     ar = Decoder(model).run(prompt, 16)[0]
     assert Decoder(model, graphed, route, prefill_chunk=8).run(prompt, 16)[0] == ar
-    assert set(graphed._extend_graphs) == {(eagle.PROMPT_CHUNK, True), (eagle.PROMPT_CHUNK, False),
-                                           (graphed.depth + 1, False)}
+    assert set(graphed._extend_graphs) == {(W, True), (W, False), (graphed.depth + 1, False)}
+
+
+def test_graphed_prompt_extend_takes_the_target_chunks(monkeypatch):
+    """A long prompt's extend goes in the target's prefill chunks (`engine.prompt_chunks`), a
+    replay each: 600 prefilled tokens as 512 + 88 (128 wide), not 19 chunks of 32; the drafter
+    then tracks and drafts what the eager one does."""
+    emulate_graphs(monkeypatch)
+    cfg = tiny_config(1, max_position_embeddings=1024)
+    model = random_model(cfg, 1)
+    dm = random_drafter(cfg, 1)
+    # room from the start: growing the cache drops the graphs over it
+    eager = EagleDrafter(dm, model, initial_capacity=1024, **ROUTES["chain"])
+    graphed = EagleDrafter(dm, model, initial_capacity=1024, **ROUTES["chain"])
+    graphed.graphs = True
+    prompt = torch.tensor([make_prompt(cfg, 4, 401)])  # 601 tokens
+    a = Decoder(model, eager, "chain").run(prompt, 12)
+    b = Decoder(model, graphed, "chain").run(prompt, 12)
+    assert a[0] == b[0] == Decoder(model).run(prompt, 12)[0]
+    assert [r.accepted for r in a[1].rounds] == [r.accepted for r in b[1].rounds]
+    assert set(graphed._extend_graphs) == {(512, True), (128, False), (graphed.depth + 1, False)}
+    assert torch.equal(eager.len, graphed.len)
+    torch.testing.assert_close(eager.pending, graphed.pending, rtol=0, atol=1e-12)
+    n = int(eager.len.max())
+    torch.testing.assert_close(eager.k[:, :, :n], graphed.k[:, :, :n], rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("route", ["chain", "tree"])

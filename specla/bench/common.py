@@ -132,15 +132,18 @@ def warm_set(items, max_new_tokens: int) -> list:
     (`engine.prefill_chunks` of what `decode.prefill_spans` prefills, all but the last prompt
     token: in e2e_50850ad a 35-token prompt captured the 64-token sequence graph inside its
     timing, 67-118 ms; in e2e_4cce904 a 135-token prompt the 256-token one, because the
-    129-token warm-up prompt prefills 128 tokens)."""
+    129-token warm-up prompt prefills 128 tokens), and for every graph of the EAGLE drafter's
+    prompt extend, which takes the same chunks (a width, and whether the chunk is the prompt's
+    first)."""
     from specla.decode import prefill_spans
-    from specla.engine import preferred_prefill_mode, prefill_chunks
+    from specla.engine import preferred_prefill_mode, prompt_chunks
 
     def chunk_graphs(n):
+        """The target's (mode, width) chunk graphs and the EAGLE drafter's (width, first) ones."""
         graphs = set()
-        for s, e in prefill_spans(n):
-            mode = preferred_prefill_mode(e - s)
-            graphs |= {(mode, w) for _, w in prefill_chunks(e - s, mode)}
+        for j, (s, e) in enumerate(prefill_spans(n)):
+            for i, (_, w) in enumerate(prompt_chunks(e - s)):
+                graphs |= {(preferred_prefill_mode(e - s), w), ("eagle", w, i == j == 0)}
         return graphs
 
     items = list(items)

@@ -40,6 +40,7 @@ from specla import fused, graphs, ops, topology
 from specla.config import ModelConfig
 from specla.drafters import checkpoint, tree
 from specla.drafters.base import Draft, DraftContext, Drafter, attention_window, grown, kv_room
+from specla.engine import prompt_chunks
 from specla.errors import CheckpointError, InputError
 from specla.layers import GatedMLP, RMSNorm
 from specla.model import Model
@@ -48,7 +49,6 @@ from specla.precision import accumulation_dtype
 
 MODEL_TYPE = "specla_eagle"
 DRAFTER_DIR = "drafter"  # a target checkpoint's drafter lives in <target>/drafter/
-PROMPT_CHUNK = 32  # graphed drafters extend over a prompt this many tokens a replay (`_extend_prompt`)
 # the drafter's distribution in tree scores, sharpened: on held-out GSM8K training questions
 # (30, CPU, fp32) the demo's 16-node trees accept 6.44 tokens a round at 0.5 against 6.11 at 1
 # (the plain log-probabilities) and 3.72 at 2 (benchmarks/diagnostics/tree_temperature.py)
@@ -318,16 +318,18 @@ class EagleDrafter(Drafter):
         self._graphs, self._extend_graphs = {}, {}  # rollouts by attention window; extends by width
 
     def _graph_fns(self):
-        """(rollout, extend, capture guard factory) for the graphs: compiled when the drafter
-        or its target asks; kept across generations and cache growth (a new capacity
-        recompiles, nothing else does)."""
+        """(rollout, extend, capture guard factory, prompt extend) for the graphs: compiled when
+        the drafter or its target asks; kept across generations and cache growth (a new
+        capacity recompiles, nothing else does)."""
         mode = self.compile or fused.mode_of(self.target)
         if mode not in self._compiled:
             # the attention window (cache slots, dim 2) is symbolic: one compile serves every window
             draft, guard = fused.compile_for_graph(lambda root, k, v: self.draft(root, k, v, graphed=True), mode,
                                                    dynamic=True)
+            # a round's extend has one width (static); a prompt's chunks several (symbolic)
             extend, _ = fused.compile_for_graph(self._extend, mode)
-            self._compiled[mode] = (draft, extend, guard)
+            prompt, _ = fused.compile_for_graph(self._extend, mode, dynamic=True)
+            self._compiled[mode] = (draft, extend, guard, prompt)
         return self._compiled[mode]
 
     def _reserve(self, extra: int) -> None:
@@ -376,12 +378,15 @@ class EagleDrafter(Drafter):
         self.started = True
 
     def _extend_prompt(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], length: torch.Tensor) -> None:
-        """The prompt's `extend` (before the first proposal), PROMPT_CHUNK tokens at a time from
-        one graph. Run eagerly it was ~2 ms of host time a prompt (H200 e2e of d302d7f: drafted
-        routes' prefill 12.7-12.9 ms a prompt against AR's 11.0), and a graph per chunk width would
-        compile in the middle of a generation (2.1 s for a 28-token chunk in bench e2e)."""
-        T, W = tokens.shape[1], PROMPT_CHUNK
-        for s in range(0, T, W):
+        """The prompt's `extend` (before the first proposal) in the chunks the target's prefill
+        takes (`engine.prompt_chunks`: a few fixed widths), a graph replay each. Run eagerly it
+        was ~2 ms of host time a prompt (H200 e2e of d302d7f: drafted routes' prefill 12.7-12.9
+        ms a prompt against AR's 11.0); a graph per exact width would compile in the middle of a
+        generation (2.1 s for a 28-token chunk in bench e2e); 32-token chunks throughout cost a
+        replay and five staging copies per 32 tokens (H100, e2e_86782e8_h100.json: drafted
+        prefills 1.7 ms over AR's at 512-1,023 prompt tokens, 3.6 ms at 1,024-2,047)."""
+        T = tokens.shape[1]
+        for s, W in prompt_chunks(T):
             n = min(W, T - s)
             first = not self.started  # the prompt's first token adds no entry: its feature is pending
             self._reserve(W)  # the graph writes all W slots; those past the length are scratch
@@ -431,8 +436,11 @@ class EagleDrafter(Drafter):
             # warm-up and capture with zero lengths: the only writes land past the committed
             # length (cache slots the next extend or rollout overwrites); len keeps, and so
             # does pending, except in a first chunk's, where it holds nothing yet
-            guard = self._graph_fns()[2]
-            self._extend_graphs[key] = (graphs.capture(lambda: self._graph_fns()[1](*bufs, first), guard()), bufs)
+            _, extend, guard, prompt = self._graph_fns()
+            if width is not None:  # a prompt chunk: one compile serves every chunk width
+                extend = prompt
+                fused.mark_dynamic(1, bufs[0], *bufs[1].values())
+            self._extend_graphs[key] = (graphs.capture(lambda: extend(*bufs, first), guard()), bufs)
         graph, (st_tok, st_hid, st_len) = self._extend_graphs[key]
         st_tok[:, :n].copy_(tokens)
         for i in self.capture:
@@ -545,7 +553,7 @@ class EagleDrafter(Drafter):
             keys, values = self.k[:, :, :W], self.v[:, :, :W]
             fused.mark_dynamic(2, keys, values)
             # the rollout only writes cache slots past the committed length
-            draft, _, guard = self._graph_fns()
+            draft, _, guard, _ = self._graph_fns()
             graph = self._graphs[W] = graphs.capture(lambda: draft(self._root, keys, values), guard())
         self._root.copy_(root)
         graph.replay()
