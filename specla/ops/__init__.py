@@ -133,9 +133,10 @@ def _gdn_triton(state: torch.Tensor) -> bool:
 # time per layer in fla's wrappers and autotuner lookups (H200 profile, 2026-12-01), where the
 # serial kernel is one launch at ~1 us per token. A graph-replayed prefill chunk
 # (`GraphTarget.prefill`, `chunked=True`) pays no host time: it takes the chunk kernel from
-# CHUNK_TOKENS (fla's chunk) on.
+# CHUNK_TOKENS (fla's chunk) on; `SPECLA_CHUNK_TOKENS` moves that bound (an A/B switch:
+# `specla bench prefill --modes sequence` under each, the serial kernel taking the chunks below it).
 CHUNK_MIN_TOKENS = 512
-CHUNK_TOKENS = 64
+CHUNK_TOKENS = int(os.environ.get("SPECLA_CHUNK_TOKENS", 64))
 
 
 def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, chain=False, valid=None):
