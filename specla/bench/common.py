@@ -42,8 +42,10 @@ def environment() -> dict:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
     from specla import ops
 
+    # the A/B switches a run was made under (SPECLA_PDL, SPECLA_CHUNK_TOKENS, ...)
+    switches = {k: v for k, v in sorted(os.environ.items()) if k.startswith("SPECLA_") and k != "SPECLA_COMMIT"}
     return {"device": device, "versions": versions, "commit": git_commit(), "verify_tiling": dict(ops.TILING),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+            "env": switches, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 def write_results(name: str, data: dict, out_dir: Path | str = RESULTS) -> Path:

@@ -133,10 +133,23 @@ def _gdn_triton(state: torch.Tensor) -> bool:
 # time per layer in fla's wrappers and autotuner lookups (H200 profile, 2026-12-01), where the
 # serial kernel is one launch at ~1 us per token. A graph-replayed prefill chunk
 # (`GraphTarget.prefill`, `chunked=True`) pays no host time: it takes the chunk kernel from
-# CHUNK_TOKENS (fla's chunk) on; `SPECLA_CHUNK_TOKENS` moves that bound (an A/B switch:
-# `specla bench prefill --modes sequence` under each, the serial kernel taking the chunks below it).
+# chunk_tokens(K) on. At the demo shape (K = 64) and the graphed chunk widths (64-512), fla's
+# five kernels cost ~33 us a layer (its KKT solve alone 16 us) plus a state copy and an output
+# cast, and the serial kernel's one launch wins at 64 tokens and ties at 128 (H100, `bench
+# prefill --modes sequence`: 0.74 against 1.01 ms at 64, 1.05 against 1.07 at 128, 1.66 against
+# 1.17 at 256; prefill_fla_e81b74a_h100.json, prefill_serial_e81b74a_h100.json). A token's
+# serial step grows with K (~1 us at K = 256, above), so wider heads keep fla from 64 tokens.
+# `SPECLA_CHUNK_TOKENS` sets the bound for every K (an A/B switch).
 CHUNK_MIN_TOKENS = 512
-CHUNK_TOKENS = int(os.environ.get("SPECLA_CHUNK_TOKENS", 64))
+CHUNK_TOKENS = int(os.environ["SPECLA_CHUNK_TOKENS"]) if "SPECLA_CHUNK_TOKENS" in os.environ else None
+
+
+def chunk_tokens(K: int) -> int:
+    """Tokens from which a graph-replayed prefill chunk takes fla's chunk kernel, for key heads
+    of K dims."""
+    if CHUNK_TOKENS is not None:
+        return CHUNK_TOKENS
+    return 128 if K <= 64 else 64
 
 
 def gdn_tree_verify(q, k, v, g, beta, state, parents, scale, pending=None, chain=False, valid=None):
@@ -218,11 +231,11 @@ def _fla_chunk():
 
 def gdn_sequence(q, k, v, g, beta, state, scale, chunked: bool = False):
     """Consume a plain sequence: short ones (decode, chains) on the serial kernel, long ones
-    (prefill; from CHUNK_TOKENS when `chunked`: a graph-replayed chunk) on fla's chunk kernel;
+    (prefill; from `chunk_tokens(K)` when `chunked`: a graph-replayed chunk) on fla's chunk kernel;
     without fla everything runs on the serial kernel."""
     if not _gdn_triton(state):
         return gdn_ref.gdn_recurrent(q, k, v, g, beta, state, scale)
-    chunk = _fla_chunk() if v.shape[1] >= (CHUNK_TOKENS if chunked else CHUNK_MIN_TOKENS) else None
+    chunk = _fla_chunk() if v.shape[1] >= (chunk_tokens(k.shape[-1]) if chunked else CHUNK_MIN_TOKENS) else None
     if chunk is None:
         from specla.ops.gdn import serial
 

@@ -346,9 +346,11 @@ def test_gdn_sequence_long_on_fla_chunk(fla_chunk_cpu, monkeypatch):
     assert (o - ro).abs().max() < 1e-4 and (S_out - S_ref).abs().max() < 1e-4
 
 
-def test_graph_prefill_chunk_takes_fla_from_chunk_tokens(monkeypatch):
+@pytest.mark.parametrize("K", [16, 128])
+def test_graph_prefill_chunk_takes_fla_from_chunk_tokens(monkeypatch, K):
     """A graph-replayed prefill chunk (`chunked=True`) goes to fla's chunk kernel from
-    ops.CHUNK_TOKENS tokens, where an eager sequence waits for CHUNK_MIN_TOKENS (host time)."""
+    ops.chunk_tokens(K) tokens (128 for heads of up to 64 dims, else 64), where an eager
+    sequence waits for CHUNK_MIN_TOKENS (host time); SPECLA_CHUNK_TOKENS overrides."""
     calls = []
 
     def spy(q, k, v, g, beta, scale, initial_state, **kw):
@@ -356,15 +358,17 @@ def test_graph_prefill_chunk_takes_fla_from_chunk_tokens(monkeypatch):
         return torch.zeros_like(v), initial_state
 
     monkeypatch.setattr(ops, "_fla_chunk", lambda: spy)
-    T = ops.CHUNK_TOKENS
-    assert T < ops.CHUNK_MIN_TOKENS
-    q, k, v, g, beta, S = inputs(1, T, 1, 2, 16, 16, 8)
+    T = ops.chunk_tokens(K)
+    assert T == (128 if K <= 64 else 64) < ops.CHUNK_MIN_TOKENS
+    q, k, v, g, beta, S = inputs(1, T, 1, 2, K, 16, 8)
     with ops.backend("triton"):
         ops.gdn_sequence(q, k, v, g, beta, S.clone(), 0.25, chunked=True)
         assert calls == [T]
         ops.gdn_sequence(q[:, :T - 1], k[:, :T - 1], v[:, :T - 1], g[:, :T - 1], beta[:, :T - 1], S.clone(), 0.25,
                          chunked=True)
         assert calls == [T]  # shorter: the serial kernel
+    monkeypatch.setattr(ops, "CHUNK_TOKENS", 32)
+    assert ops.chunk_tokens(K) == 32
 
 
 def test_fla_chunk_ignores_masked_padding(fla_chunk_cpu, monkeypatch):
