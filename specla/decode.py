@@ -239,7 +239,7 @@ class Decoder:
         B, T = prompts.shape
         for s, e in prefill_spans(T, self.prefill_chunk):
             chunk = prompts[:, s:e]
-            out = target.prefill(chunk, self.capture)
+            out = target.prefill(chunk, self.capture, logits=False)
             if self.drafter is not None:
                 self.drafter.extend(chunk, out.hidden, torch.full((B,), chunk.shape[1], device=chunk.device))
 

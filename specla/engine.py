@@ -150,8 +150,10 @@ class EagerTarget:
         self.cache.length.zero_()
         self.cache.clean = True
 
-    def prefill(self, tokens: torch.Tensor, capture=()) -> ModelOutput:
-        return self.model.forward(tokens, self.cache, capture)
+    def prefill(self, tokens: torch.Tensor, capture=(), logits: bool = True) -> ModelOutput:
+        """Consume a prompt; `logits` False: no LM head (the decode loop reads only the captured
+        layers: a prompt's last token is the first round's root)."""
+        return self.model.forward(tokens, self.cache, capture, logits=logits)
 
     def step(self, root: torch.Tensor) -> torch.Tensor:
         """Consume the root [B]; the next-token logits [B, V]."""
@@ -305,32 +307,34 @@ class GraphTarget(EagerTarget):
         self.graphs[key] = (graph, graph.out)
         return self.graphs[key]
 
-    def prefill(self, tokens, capture=(), mode: str | None = None):
+    def prefill(self, tokens, capture=(), mode: str | None = None, logits: bool = True):
         """The prompt in fixed-width chunks, one graph replay each (`prefill_chunks`): below
         SEQUENCE_FROM tokens padded chains verified and committed, from there plain sequences;
         `valid` stops the recurrence, the conv and the commit at a chunk's real length.
         `SPECLA_PREFILL=plain` takes the plain forward, as does a prompt whose chunks cannot be
         captured (`_capturable`). mode: force "chain", "sequence" or "plain" (`prefill_mode`;
-        `bench prefill` times each)."""
+        `bench prefill` times each). `logits` False: sequences skip the LM head and no chunk's
+        logits are copied out (at the 1.3B shape a 512-token chunk's are 33 MB)."""
         B, T = tokens.shape
         mode = self.prefill_mode(T, mode)
         if mode == "plain":
-            return super().prefill(tokens, capture)
-        logits, hidden = [], {i: [] for i in capture}
+            return super().prefill(tokens, capture, logits)
+        outs, hidden = [], {i: [] for i in capture}
         for s, W in prefill_chunks(T, mode):
             n = min(W, T - s)
-            graph, tok, valid, (lg, hid) = self._prefill_graph(mode, W, B, tuple(capture))
+            graph, tok, valid, (lg, hid) = self._prefill_graph(mode, W, B, tuple(capture), logits)
             tok[:, :n].copy_(tokens[:, s:s + n])
             valid.fill_(n)
             graph.replay()
-            logits.append(lg[:, :n].clone())
+            if logits:
+                outs.append(lg[:, :n].clone())
             for i in capture:
                 hidden[i].append(hid[i][:, :n].clone())
-        if len(logits) == 1:  # most prompts: no concatenation (a launch each)
-            return ModelOutput(logits[0], {i: h[0] for i, h in hidden.items()})
-        return ModelOutput(torch.cat(logits, 1), {i: torch.cat(h, 1) for i, h in hidden.items()})
+        joined = {i: h[0] if len(h) == 1 else torch.cat(h, 1) for i, h in hidden.items()}  # most prompts: one chunk
+        lg = None if not logits else outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+        return ModelOutput(lg, joined)
 
-    def _prefill_graph(self, mode: str, W: int, B: int, capture: tuple):
+    def _prefill_graph(self, mode: str, W: int, B: int, capture: tuple, logits: bool = True):
         """(graph, its token and valid buffers, its outputs) of a W-wide prefill chunk."""
         dev = self.model.device
         if (mode, W) not in self._prefill_buffers:
@@ -339,12 +343,12 @@ class GraphTarget(EagerTarget):
             self._prefill_buffers[mode, W] = (torch.zeros(B, W, dtype=torch.long, device=dev),
                                               torch.zeros(B, dtype=torch.long, device=dev), *chain)
         tok, valid, *chain = self._prefill_buffers[mode, W]
-        key = ("prefill", mode, W, capture)
+        key = ("prefill", mode, W, capture, logits)
 
         def run():
             if mode == "sequence":
-                out = self.model.forward(tok, self.cache, capture, valid)
-            else:  # a chain verified, and committed up to `valid`
+                out = self.model.forward(tok, self.cache, capture, valid, logits)
+            else:  # a chain verified, and committed up to `valid` (a verify's head always runs)
                 par, path = chain
                 out = self._model_verify(tok, par, capture, True, valid)
                 self.cache.commit(out.records, path, valid, False)
@@ -509,7 +513,7 @@ class FlaTarget(EagerTarget):
         hidden = {i: out.hidden_states[i + 1] for i in capture}
         return out, hidden
 
-    def prefill(self, tokens, capture=()):
+    def prefill(self, tokens, capture=(), logits: bool = True):
         out, hidden = self._run(tokens, self.pkv, capture)
         self.pkv = out.past_key_values
         return ModelOutput(out.logits, hidden)

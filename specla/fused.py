@@ -447,9 +447,9 @@ class FusedModel:
             self.shapes.add(key)
         return True
 
-    def run(self, tokens, cache, capture=(), parents=None, chain=False, valid=None):
+    def run(self, tokens, cache, capture=(), parents=None, chain=False, valid=None, logits=True):
         """forward (parents None: consume the tokens, advance the cache) or verify (`chain`:
-        the topology is a chain, `Model.verify`)."""
+        the topology is a chain, `Model.verify`); `logits` False skips the LM head."""
         m = self.model
         if self.dynamic_tokens and tokens.shape[1] > 1:
             mark = functools.partial(mark_dynamic, 1)  # one graph for every verify or prefill size
@@ -524,20 +524,24 @@ class FusedModel:
             x, r = lay.post_call(y, x)
             want = i if i in capture else None
         mark(x, r)
-        x, logits = self.head(x, r, m.norm.weight, m.lm_head.weight)
+        lg = None
+        if logits:
+            x, lg = self.head(x, r, m.norm.weight, m.lm_head.weight)
+        elif want is not None:  # no head: the last layer's stream only where it is captured
+            x = settle(x, r, None)
         if want is not None:
             hidden[want] = x
         if bank is not None:
             bank.length.zero_()  # every banked layer's pending update was folded above
         if parents is None:
             cache.length.add_(tokens.shape[1] if valid is None else valid)
-        out = ModelOutput(logits, hidden)
+        out = ModelOutput(lg, hidden)
         if parents is not None:
             out.records = records
         return out
 
-    def forward(self, tokens, cache, capture=(), valid=None):
-        return self.run(tokens, cache, capture, valid=valid)
+    def forward(self, tokens, cache, capture=(), valid=None, logits=True):
+        return self.run(tokens, cache, capture, valid=valid, logits=logits)
 
     def verify(self, tokens, parents, cache, capture=(), chain=False, valid=None):
         return self.run(tokens, cache, capture, parents, chain, valid)

@@ -151,7 +151,7 @@ class Block(nn.Module):
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor  # [B, n, vocab]
+    logits: torch.Tensor | None  # [B, n, vocab]; None from a prefill that asked for none
     hidden: dict[int, torch.Tensor]  # residual stream after the captured layers, [B, n, D]
     records: list | None = None  # verify only: one record per layer
 
@@ -181,8 +181,8 @@ class Model(nn.Module):
                   else blk.mixer.new_state(batch, max_len, self.device, self.dtype) for blk in self.layers]
         return Cache(layers, torch.zeros(batch, dtype=torch.long, device=self.device))
 
-    def _head(self, x, hidden):
-        return ModelOutput(self.lm_head(self.norm(x)), hidden)
+    def _head(self, x, hidden, logits: bool = True):
+        return ModelOutput(self.lm_head(self.norm(x)) if logits else None, hidden)
 
     def train_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Differentiable logits [B, T, vocab] from an empty state (training; pure GDN stacks)."""
@@ -194,13 +194,14 @@ class Model(nn.Module):
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, cache: Cache, capture: tuple[int, ...] = (),
-                valid: torch.Tensor | None = None) -> ModelOutput:
+                valid: torch.Tensor | None = None, logits: bool = True) -> ModelOutput:
         """Consume tokens [B, T] as a plain sequence, advancing `cache` by T; with `valid` [B]
         (a padded chunk of a graph-captured prefill, `GraphTarget.prefill`) by valid[b]: the
-        padding leaves every state as it was and its outputs are not meaningful."""
+        padding leaves every state as it was and its outputs are not meaningful. `logits`
+        False: no LM head (a prompt's prefill reads only the state and the captured layers)."""
         fused = getattr(self, "_fused", None)
         if fused is not None and fused.takes(tokens, verify=False):
-            return fused.forward(tokens, cache, capture, valid)
+            return fused.forward(tokens, cache, capture, valid, logits)
         cache.flush()  # a plain sequence starts from the committed state (free when clean)
         x = self.embeddings(tokens)
         hidden = {}
@@ -209,7 +210,7 @@ class Model(nn.Module):
             if i in capture:
                 hidden[i] = x
         cache.length.add_(tokens.shape[1] if valid is None else valid)
-        return self._head(x, hidden)
+        return self._head(x, hidden, logits)
 
     @torch.no_grad()
     def verify(self, tokens: torch.Tensor, parents: torch.Tensor, cache: Cache,

@@ -30,13 +30,16 @@ from conftest import random_model, tiny_config
 
 def _run(model, prompt, root, tokens, parents, capture, chunk):
     cache = model.new_cache(1, 128)
-    model.forward(prompt, cache)
+    # a prompt's prefill as the decode loop runs it: no LM head, the last layer captured
+    last = model.cfg.num_hidden_layers - 1
+    pre = model.forward(prompt, cache, (last,), logits=False)
+    assert pre.logits is None and pre.hidden[last].shape[:2] == prompt.shape
     # a graph prefill's padded chunk: 3 real tokens, the rest padding the states must ignore
     pad = model.forward(chunk, cache, capture, valid=torch.tensor([3]))
     step = model.forward(root, cache, capture)
     ver = model.verify(tokens, parents, cache, capture)
     cache.flush()
-    return step, ver, cache, pad
+    return step, ver, cache, pad, pre.hidden[last]
 
 
 def _err(x, y) -> float:
@@ -61,7 +64,7 @@ def _compare(model, fused_kw, seed=0, tol=1e-10, capture=(0,)):
     fuse(model, False)
     diff = {}
     for name, (x, y) in {"step": (a[0].logits, b[0].logits), "verify": (a[1].logits, b[1].logits),
-                         "padded": (a[3].logits[:, :3], b[3].logits[:, :3])}.items():
+                         "padded": (a[3].logits[:, :3], b[3].logits[:, :3]), "headless": (a[4], b[4])}.items():
         diff[name] = _err(x, y)
     for i in capture:
         diff[f"hidden{i}"] = _err(a[1].hidden[i], b[1].hidden[i])

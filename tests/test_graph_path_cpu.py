@@ -103,7 +103,7 @@ def test_graph_prefill_equals_the_plain_forward(graph_path, monkeypatch):
     for budget, delayed in ((1, False), (9, True)):
         target = GraphTarget(model, 1, 64, budget, delayed)
         out = target.prefill(prompt, capture=(0,))
-        assert ("prefill", "chain", 4, (0,)) in target.graphs
+        assert ("prefill", "chain", 4, (0,), True) in target.graphs
         torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out.hidden[0], ref.hidden[0], rtol=1e-5, atol=1e-5)
         assert torch.equal(target.cache.length, ref_cache.length)
@@ -162,12 +162,17 @@ def test_long_prompt_graph_prefill_equals_the_plain_forward(monkeypatch, hybrid)
     ref_cache = model.new_cache(1, max_len=64)
     model.forward(first, ref_cache)
     ref = model.forward(prompt, ref_cache, capture=(0,))
-    for budget, delayed in ((1, False), (9, True)):
+    # logits=False (the decode loop's prefill): no LM head, the same features and state
+    for budget, delayed, logits in ((1, False, True), (9, True, True), (9, True, False)):
         target = GraphTarget(model, 1, 64, budget, delayed)
-        target.prefill(first)
-        out = target.prefill(prompt, capture=(0,))
-        assert {k for k in target.graphs if k[0] == "prefill"} >= {("prefill", "sequence", w, (0,)) for w in (2, 4)}
-        torch.testing.assert_close(out.logits, ref.logits, rtol=1e-10, atol=1e-10)
+        target.prefill(first, logits=logits)
+        out = target.prefill(prompt, capture=(0,), logits=logits)
+        assert {k for k in target.graphs if k[0] == "prefill"} >= {("prefill", "sequence", w, (0,), logits)
+                                                                    for w in (2, 4)}
+        if logits:
+            torch.testing.assert_close(out.logits, ref.logits, rtol=1e-10, atol=1e-10)
+        else:
+            assert out.logits is None
         torch.testing.assert_close(out.hidden[0], ref.hidden[0], rtol=1e-10, atol=1e-10)
         assert torch.equal(target.cache.length, ref_cache.length)
         for got, want in zip(target.cache.layers, ref_cache.layers):
@@ -188,9 +193,9 @@ def test_long_prompt_graph_prefill_equals_the_plain_forward(monkeypatch, hybrid)
             model.forward(torch.tensor([_prompt(cfg.vocab_size, 3, length=6)]), ref_cache)
             assert target.prefill_mode(prompt.shape[1]) == "chain"
             out = target.prefill(prompt, capture=(0,))
-            assert ("prefill", "sequence", 4, ()) in target.graphs
-            assert ("prefill", "sequence", 4, (0,)) not in target.graphs
-            assert ("prefill", "chain", engine.PREFILL_WIDTH, (0,)) in target.graphs
+            assert ("prefill", "sequence", 4, (), True) in target.graphs
+            assert ("prefill", "sequence", 4, (0,), True) not in target.graphs
+            assert ("prefill", "chain", engine.PREFILL_WIDTH, (0,), True) in target.graphs
             torch.testing.assert_close(out.logits, model.forward(prompt, ref_cache).logits, rtol=1e-10, atol=1e-10)
             assert int(target.cache.length) == 19
             target = GraphTarget(model, 1, 20, 1, False)  # 9 + 11 tokens in 2-token chunks need 21 slots: plain
