@@ -343,7 +343,7 @@ class GraphTarget(EagerTarget):
             self._prefill_buffers[mode, W] = (torch.zeros(B, W, dtype=torch.long, device=dev),
                                               torch.zeros(B, dtype=torch.long, device=dev), *chain)
         tok, valid, *chain = self._prefill_buffers[mode, W]
-        key = ("prefill", mode, W, capture, logits)
+        key = ("prefill", mode, W, capture, logits or mode == "chain")  # a chain's verify has its head
 
         def run():
             if mode == "sequence":
@@ -514,6 +514,7 @@ class FlaTarget(EagerTarget):
         return out, hidden
 
     def prefill(self, tokens, capture=(), logits: bool = True):
+        # fla's model runs its LM head whatever is asked; its logits are returned either way
         out, hidden = self._run(tokens, self.pkv, capture)
         self.pkv = out.past_key_values
         return ModelOutput(out.logits, hidden)
