@@ -120,7 +120,7 @@ class ChainRuntime:
         self.target._accept = forcing(self.target._accept, self.forced)
         self.capture = self.drafter.capture
         pre = torch.tensor([prompt[:-1]], device=dev)
-        out = self.target.prefill(pre, self.capture)
+        out = self.target.prefill(pre, self.capture, logits=False)  # as the decode loop prefills
         self.drafter.extend(pre, out.hidden, torch.full((1,), pre.shape[1], device=dev))
         self.target.begin(torch.tensor([prompt[-1]], device=dev), max_len, set())
         d, t = self.drafter, self.target
