@@ -726,3 +726,18 @@ def test_round_runner_keeps_paths_as_the_loop_does():
     assert target.path_nodes == 5
     pending = [st.pending for st in target.cache.layers if isinstance(st, GDNLayerState)]
     assert pending and all(p is not None and p[0].shape[1] == 5 for p in pending)
+
+
+def test_results_record_the_switches_they_ran_under(monkeypatch, tmp_path):
+    """A result file names the SPECLA_* A/B switches set for its run (not SPECLA_COMMIT, which
+    is the commit field's source), so two runs of one commit can be told apart."""
+    import json
+
+    from specla.bench.common import write_results
+
+    monkeypatch.setenv("SPECLA_CHUNK_TOKENS", "128")
+    monkeypatch.setenv("SPECLA_COMMIT", "abc1234")
+    monkeypatch.delenv("SPECLA_PDL", raising=False)
+    data = json.loads(write_results("switches", {"x": 1}, tmp_path).read_text())
+    assert data["env"].get("SPECLA_CHUNK_TOKENS") == "128"
+    assert "SPECLA_COMMIT" not in data["env"] and "SPECLA_PDL" not in data["env"]
