@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import inspect
 import queue
 import threading
 from dataclasses import asdict, dataclass
@@ -191,6 +192,16 @@ class SpecLA:
 
         return MTPDrafter.from_checkpoint(self.model_dir, self.model, length=chain_length)
 
+    def served_drafter(self, route: str, *options, **named) -> Drafter | None:
+        """The drafter `generate` serves a route with (`drafter`'s options, its defaults filled
+        in): made once per option set and kept, with the graphs it compiles and captures."""
+        args = inspect.signature(self.drafter).bind(route, *options, **named)
+        args.apply_defaults()
+        key = tuple(args.arguments.values())
+        if key not in self._drafters:
+            self._drafters[key] = self.drafter(*key)
+        return self._drafters[key]
+
     # generation -----------------------------------------------------------------------------
     def generate(self, prompt, route: str = "chain", max_new_tokens: int = 128, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, chat: bool | None = None, chain_length: int = 8,
@@ -202,11 +213,9 @@ class SpecLA:
         AR steps too), so every route's output is bit-identical to exact-mode `ar` in any
         precision, at the cost of a slower AR step (docs/exact.md)."""
         ids = self.encode_prompt(prompt, chat)
-        key = (route, chain_length, tree_topk, tree_budget, tree_depth, tree_tau, drafter, tree_width,
-               tree_temperature)
-        if key not in self._drafters:
-            self._drafters[key] = self.drafter(*key)
-        decoder = Decoder(self.model, self._drafters[key], route, targets=self._targets,
+        served = self.served_drafter(route, chain_length, tree_topk, tree_budget, tree_depth, tree_tau, drafter,
+                                     tree_width, tree_temperature)
+        decoder = Decoder(self.model, served, route, targets=self._targets,
                           sampling=Sampling(temperature, top_p, seed), delayed=delayed, pipeline=pipeline,
                           eos_token_ids=self.tokenizer.eos_token_ids | set(self.model.cfg.eos_token_id),
                           executor="fla" if route == "fla" else "specla",

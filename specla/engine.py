@@ -330,9 +330,10 @@ class GraphTarget(EagerTarget):
                 outs.append(lg[:, :n].clone())
             for i in capture:
                 hidden[i].append(hid[i][:, :n].clone())
-        joined = {i: h[0] if len(h) == 1 else torch.cat(h, 1) for i, h in hidden.items()}  # most prompts: one chunk
-        lg = None if not logits else outs[0] if len(outs) == 1 else torch.cat(outs, 1)
-        return ModelOutput(lg, joined)
+        def join(parts):  # most prompts are one chunk: no concatenation (a launch each)
+            return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+
+        return ModelOutput(join(outs) if logits else None, {i: join(h) for i, h in hidden.items()})
 
     def _prefill_graph(self, mode: str, W: int, B: int, capture: tuple, logits: bool = True):
         """(graph, its token and valid buffers, its outputs) of a W-wide prefill chunk."""

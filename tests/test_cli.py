@@ -69,6 +69,10 @@ def test_api_routes_agree_and_stream(model_dir):
         assert lm.generate("a b a b a b", route=route, max_new_tokens=20).tokens == ar.tokens
     pieces = list(lm.stream("a b a b a b", route="tree", max_new_tokens=20))
     assert "".join(pieces) == ar.text
+    # the drafter a route's generations share, however its options are spelled
+    served = lm.served_drafter("tree")
+    assert served is lm.served_drafter("tree", tree_topk=4) is lm.served_drafter("tree", 8, 4, 16)
+    assert sorted(k[0] for k in lm._drafters) == ["ar", "chain", "tree"]  # one entry a route, no twins
 
 
 BAD = [

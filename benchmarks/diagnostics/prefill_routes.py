@@ -31,13 +31,10 @@ ROUTES = ("ar", "chain", "tree")
 
 
 def _decoder(lm, route: str) -> Decoder:
-    # the key `api.LM.generate` files the route's default drafter under, so the drafter timed is
-    # the one the warm-up generations compiled and captured (until 2026-12-07 a 7-field key made
-    # a fresh drafter here: prefill_routes_e81b74a_h100.json's chain and tree rows are of that one)
-    key = (route, 8, 4, 16, 8, None, "auto", None, None)
-    if key not in lm._drafters:
-        lm._drafters[key] = lm.drafter(*key)
-    return Decoder(lm.model, lm._drafters[key], route, targets=lm._targets)
+    # the drafter the warm-up generations compiled and captured (until 2026-12-07 this built its
+    # own cache key, which no longer matched the API's: prefill_routes_e81b74a_h100.json's chain
+    # and tree rows timed fresh drafters)
+    return Decoder(lm.model, lm.served_drafter(route), route, targets=lm._targets)
 
 
 def _top(events, n=25):
