@@ -526,6 +526,9 @@ class EagleDrafter(Drafter):
         h = self.pending[:, None]  # the feature each beam's parent hands on (the root's: the target's)
         rows = None  # the previous depth's entries' ancestor-or-self rows
         inv_freq = m.inv_freq(h.device, h.dtype)
+        # a tree's depths score their beams' h with the head inside the depth step's kernels
+        head = (tree.Head(tgt.lm_head.weight, m.norm.weight, m.norm.eps)
+                if scored and self.topk > 1 and ops.fuses_head(h.expand(-1, w, -1), tgt.lm_head.weight) else None)
 
         def step(d, tokens, src):
             nonlocal h, rows
@@ -539,10 +542,11 @@ class EagleDrafter(Drafter):
             path = rows if w > 1 and d > 0 else None
             attn = ops.draft_attention(q, kk, v, keys, values, self.len, d, start, path, inv_freq, m.scale)
             h = m.finish(x, attn, self._gate_up)
-            return m.logits(h, tgt.lm_head.weight)  # the expand normalises the k tokens it keeps
+            # the expand normalises the k tokens it keeps
+            return h if head is not None else m.logits(h, tgt.lm_head.weight)
 
         return tree.beam_search(step, root, self.topk, self.depth, tau, scored, w, 1 / self.temperature,
-                                first=self._src0)
+                                first=self._src0, head=head)
 
     def _replay(self, root: torch.Tensor):
         """`draft` from a CUDA graph over static buffers (root, len, pending, cache), one graph

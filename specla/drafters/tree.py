@@ -31,6 +31,8 @@ that lets one forward score all beams of a depth.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from specla import ops
@@ -66,9 +68,17 @@ def top1(beam_scores: torch.Tensor, logits: torch.Tensor):
     return tok, beam_scores, torch.zeros_like(tok)
 
 
+class Head(NamedTuple):
+    """A drafter's output norm and LM head, for a rollout that scores hidden states
+    (`beam_search`'s head)."""
+    weight: torch.Tensor  # [V, D]
+    norm_weight: torch.Tensor  # [D]
+    eps: float
+
+
 def beam_search(step, root: torch.Tensor, topk: int, depth: int, tau: float | None = None,
                 scored: bool = True, width: int | None = None, scale: float = 1.0,
-                first: torch.Tensor | None = None):
+                first: torch.Tensor | None = None, head: Head | None = None):
     """The rollout: the pool's tokens, parents (-1 = the root) and scores, [B, P] each.
 
     step(d, tokens, src) -> logits [B, n, V] scores the n beams of depth d (d = 0: the root
@@ -80,6 +90,8 @@ def beam_search(step, root: torch.Tensor, topk: int, depth: int, tau: float | No
     (default topk). scale: q sums log-softmax(scale · logits), a temperature of 1 / scale on
     the drafter's distribution; it changes which nodes the budget keeps, not the tokens a
     beam proposes. first: zeros [B, 1], the src of every one-beam depth (made here if None).
+    head (scored, top-k > 1): step returns the beams' hidden states [B, n, D] instead, and each
+    depth scores them with `ops.head_expand`, the head's matmul inside the depth step's kernels.
     """
     B, dev = root.shape[0], root.device
     width = topk if width is None else width
@@ -92,10 +104,13 @@ def beam_search(step, root: torch.Tensor, topk: int, depth: int, tau: float | No
     for d in range(depth):
         if best is not None and tau is not None and bool((beam_score.amax(1) < best - tau).all()):
             break
-        logits = step(d, beam_tok, src)
+        out = step(d, beam_tok, src)  # logits, or hidden states with a head
         if beam_score is None:
-            beam_score = logits.new_zeros(B, 1, dtype=accumulation_dtype(logits.dtype))
-        tok, score, nxt = expand(beam_score, logits, topk, scale) if scored else top1(beam_score, logits)
+            beam_score = out.new_zeros(B, 1, dtype=accumulation_dtype(out.dtype))
+        if head is not None:
+            tok, score, nxt = ops.head_expand(out, *head, beam_score, topk, scale)
+        else:
+            tok, score, nxt = expand(beam_score, out, topk, scale) if scored else top1(beam_score, out)
         pool.append((tok, beam_pool[:, :, None].expand(-1, -1, topk).flatten(1), score))
         if best is None:
             best = score[:, 0]  # q*: the best first token; no deeper score exceeds it

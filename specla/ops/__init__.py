@@ -82,6 +82,12 @@ if TREE_VERIFIER not in ("auto", "paths", "parallel", "serial", "hybrid"):
 BEAM_EXPAND = os.environ.get("SPECLA_BEAM_EXPAND", "auto")
 if BEAM_EXPAND not in ("auto", "torch"):
     raise ValueError(f"SPECLA_BEAM_EXPAND={BEAM_EXPAND!r}: expected auto or torch")
+# `SPECLA_HEAD_EXPAND=modules`: a tree rollout's depth step as the drafter's norm and LM head
+# (modules: Inductor's norm, cuBLAS) then `beam_expand`, instead of one `head_expand` (an A/B
+# switch for benchmarks), read when the rollout is traced
+HEAD_EXPAND = os.environ.get("SPECLA_HEAD_EXPAND", "auto")
+if HEAD_EXPAND not in ("auto", "modules"):
+    raise ValueError(f"SPECLA_HEAD_EXPAND={HEAD_EXPAND!r}: expected auto or modules")
 # `SPECLA_DRAFT_FUSED=torch`: the drafter's step as separate norm, matmul, gate and add kernels
 # (as Inductor fuses them) instead of `ops.fused_linear` and `ops.draft_inputs` (an A/B switch
 # for benchmarks), read when the rollout is traced
@@ -529,6 +535,40 @@ def _beam_expand_shape(logits, beam_scores, topk, scale=1.0):
     return (logits.new_empty(B, nb * topk, dtype=torch.long),
             logits.new_empty(B, nb * topk, dtype=accumulation_dtype(logits.dtype)),
             logits.new_empty(B, topk, dtype=torch.long))
+
+
+def fuses_head(h: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a tree rollout should score its beams' hidden states h [B, nb, D] with
+    `head_expand` (the LM head weight [V, D] inside the depth step's chunk kernel): Triton,
+    outside autograd, not fp64, at most 16 beams of rows one program holds, unless
+    SPECLA_HEAD_EXPAND=modules, SPECLA_DRAFT_FUSED=torch or SPECLA_BEAM_EXPAND=torch."""
+    from specla.ops.beam import triton as beam_triton
+
+    return (HEAD_EXPAND == DRAFT_FUSED == BEAM_EXPAND == "auto" and not torch.is_grad_enabled() and use_triton(h)
+            and h.dtype != torch.float64 and h.shape[-2] <= 16 and weight.shape[1] <= beam_triton.MAX_HEAD_WIDTH)
+
+
+@torch.library.custom_op("specla::head_expand", mutates_args=())
+def head_expand(h: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                beam_scores: torch.Tensor, topk: int,
+                scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`beam_expand` of the logits of a drafter's head (`ops.beam.naive.head_expand`): two
+    Triton launches from the beams' hidden states where `fuses_head` (the norm, the head and
+    the chunks' reductions in the first), the reference elsewhere. A custom op, so that inside
+    the drafter's compiled rollout it stays one opaque call."""
+    if not fuses_head(h, weight):
+        return beam_ref.head_expand(h, weight, norm_weight, eps, beam_scores, topk, scale)
+    from specla.ops.beam import triton as beam_triton
+
+    return beam_triton.head_expand(h, weight, norm_weight, eps, beam_scores, topk, scale)
+
+
+@head_expand.register_fake
+def _head_expand_shape(h, weight, norm_weight, eps, beam_scores, topk, scale=1.0):
+    B, nb, _ = h.shape
+    return (h.new_empty(B, nb * topk, dtype=torch.long),
+            h.new_empty(B, nb * topk, dtype=accumulation_dtype(h.dtype)),
+            h.new_empty(B, topk, dtype=torch.long))
 
 
 @torch.library.custom_op("specla::build_tree", mutates_args=())

@@ -83,6 +83,10 @@ def variants(H=8, HV=8, K=256, V=256):
     yield "tree build (top-4, depth 8)", tree_ops._build_kernel, dict(NP=128, HAS_TAU=True), 4
     yield "beam_expand chunk", beam._chunk_kernel, dict(K=4, BLOCK=beam.CHUNK), 4
     yield "beam_expand merge", beam._merge_kernel, dict(K=4, KP=4, NB=4, NCP=32, NCK=128), 4
+    # a tree depth from the demo drafter's hidden states (256 wide): norm, head, chunk reductions
+    yield ("head_expand chunk D=256", beam._head_chunk_kernel,
+           dict(K=4, NB=16, BLOCK=beam.HEAD_CHUNK, BD=256, PREC="tf32"), 4)
+    yield "head_expand merge V=8192", beam._merge_kernel, dict(K=4, KP=4, NB=4, NCP=128, NCK=512), 4
     for V, warps in ((8192, 8), (beam.ROW_MAX, 16)):  # one beam's whole row: the demo's and the largest vocabulary
         yield f"beam_expand row V={V}", beam._row_kernel, dict(K=4, BLOCK=V), warps
     # a draft step's attention at the demo drafter's heads (64 dims) and the 1.3B stand-in's (128)

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from specla import ops
 from specla.ops.beam import naive as beam_naive
 from specla.ops.beam import triton as beam_triton
+from specla.ops.linear import naive as linear_naive
 
 
 @settings(max_examples=60, deadline=None)
@@ -115,3 +116,58 @@ def test_beam_expand_custom_op_traces():
     compiled = torch.compile(lambda a, b: ops.beam_expand(a, b, 3), backend="aot_eager", fullgraph=True)
     for got, want in zip(compiled(x, s), ops.beam_expand(x, s, 3)):
         assert torch.equal(got, want)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(B=st.integers(1, 2), nb=st.integers(1, 5), V=st.sampled_from([16, 100, 1000]), D=st.sampled_from([16, 40, 64]),
+       k=st.integers(1, 4), tied=st.booleans(), seed=st.integers(0, 2**16), scale=st.sampled_from([1.0, 2.0]))
+def test_head_expand_kernel_matches_reference(B, nb, V, D, k, tied, seed, scale):
+    """fp32: the fused norm + head + chunked top-k picks the reference's tokens and beams
+    (heads of several chunks, beams of several rows, a partial last chunk), scores to fp32
+    rounding; tied: two head rows equal, so every beam's top logit ties (lowest id first)."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(B, nb, D, generator=g)
+    weight = torch.randn(V, D, generator=g)
+    if tied:
+        weight[V // 2] = weight[V // 3] = weight.sum(0) / 4  # large: at the top of most rows, tied
+    norm_w = 1 + 0.1 * torch.randn(D, generator=g)
+    scores = torch.randn(B, nb, generator=g)
+    tok, sc, beams = beam_triton.head_expand(h, weight, norm_w, 1e-6, scores, k, scale, block=16)
+    rtok, rsc, rbeams = beam_naive.head_expand(h, weight, norm_w, 1e-6, scores, k, scale)
+    assert torch.equal(tok, rtok) and torch.equal(beams, rbeams)
+    torch.testing.assert_close(sc, rsc, rtol=1e-5, atol=1e-4)
+
+
+def test_head_expand_kernel_bf16_picks_the_reference_logits():
+    """bf16: the kernel's logits round as the modules' do, so each pick's reference logit is
+    the reference's value at that rank (a near-tie may swap two tokens, never their values by
+    more than one bf16 step) and the scores agree to bf16 rounding."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(1, 4, 64, generator=g).bfloat16()
+    weight = (torch.randn(300, 64, generator=g) / 8).bfloat16()
+    norm_w = torch.ones(64).bfloat16()
+    scores = torch.zeros(1, 4)
+    tok, sc, _ = beam_triton.head_expand(h, weight, norm_w, 1e-6, scores, 4, 1.0, block=64)
+    logits = linear_naive.fused(h, weight, norm_w, 1e-6).float()
+    rvals = beam_naive.top_k(logits, 4)[0].flatten(1)
+    picked = logits.flatten(1).gather(1, (tok.view(1, 4, 4) + 300 * torch.arange(4)[None, :, None]).flatten(1))
+    torch.testing.assert_close(picked, rvals, rtol=0, atol=0.02)
+    _, rsc, _ = beam_naive.head_expand(h, weight, norm_w, 1e-6, scores, 4, 1.0)
+    torch.testing.assert_close(sc, rsc, rtol=0, atol=0.03)
+
+
+def test_head_expand_op_dispatch():
+    """The op runs the kernel where `fuses_head` (Triton backend, not fp64, D within a program's
+    tile) and the reference elsewhere; both give the reference's picks on fp32."""
+    g = torch.Generator().manual_seed(1)
+    h, weight, norm_w = torch.randn(1, 3, 32, generator=g), torch.randn(200, 32, generator=g), torch.ones(32)
+    scores = torch.randn(1, 3, generator=g)
+    ref = beam_naive.head_expand(h, weight, norm_w, 1e-6, scores, 2)
+    with ops.backend("triton"), torch.no_grad():
+        assert ops.fuses_head(h, weight) and not ops.fuses_head(h.double(), weight.double())
+        out = ops.head_expand(h, weight, norm_w, 1e-6, scores, 2)
+    with ops.backend("triton"):
+        assert not ops.fuses_head(h, weight)  # under autograd (training): the modules
+    assert not ops.fuses_head(h, weight)  # CPU tensors under the auto backend: the reference
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)

@@ -244,9 +244,9 @@ def test_fused_rejects_bad_shapes():
 @pytest.mark.parametrize("shape", [dict(topk=1, depth=4), dict(topk=3, depth=3, budget=8)])
 def test_drafter_step_with_fused_linear_equals_its_modules(shape, monkeypatch):
     """The EAGLE drafter's step on `ops.draft_inputs` and `ops.fused_linear` (norm + qkv,
-    o_proj + residual, norm + gate|up + gate, down + residual, norm + LM head) drafts what its
-    modules draft (fp32, a random drafter over a random target), and the training path keeps
-    autograd's modules."""
+    o_proj + residual, norm + gate|up + gate, down + residual, norm + LM head; a tree's norm +
+    LM head + depth step as `ops.head_expand`) drafts what its modules draft (fp32, a random
+    drafter over a random target), and the training path keeps autograd's modules."""
     import sys
     from pathlib import Path
 
@@ -261,9 +261,10 @@ def test_drafter_step_with_fused_linear_equals_its_modules(shape, monkeypatch):
     dm = EagleDrafterModel(EagleConfig.for_target(cfg)).float().eval()
     x = torch.randint(3, cfg.vocab_size, (1, 9))
     calls = []
-    for fn in ("fused", "draft_inputs"):
-        monkeypatch.setattr(linear_triton, fn, lambda *a, _f=getattr(linear_triton, fn), _n=fn, **k:
-                            calls.append(_n) or _f(*a, **k))
+    from specla.ops.beam import triton as beam_triton
+
+    for mod, fn in ((linear_triton, "fused"), (linear_triton, "draft_inputs"), (beam_triton, "head_expand")):
+        monkeypatch.setattr(mod, fn, lambda *a, _f=getattr(mod, fn), _n=fn, **k: calls.append(_n) or _f(*a, **k))
     out = {}
     for mode in ("auto", "torch"):
         monkeypatch.setattr(ops, "DRAFT_FUSED", mode)
@@ -273,7 +274,8 @@ def test_drafter_step_with_fused_linear_equals_its_modules(shape, monkeypatch):
             h = model(x[:, :-1], model.new_cache(1), capture=d.capture).hidden
             d.extend(x[:, :-1], h, torch.tensor([8]))
             out[mode] = d.rollout(x[:, -1], d.k, d.v)
-        assert set(calls) == ({"fused", "draft_inputs"} if mode == "auto" else set())
+        fused = {"fused", "draft_inputs"} | ({"head_expand"} if shape["topk"] > 1 else set())
+        assert set(calls) == (fused if mode == "auto" else set())
         calls.clear()
     (tok, par, score), (tok0, par0, score0) = out["auto"], out["torch"]
     assert torch.equal(tok, tok0) and torch.equal(par, par0)

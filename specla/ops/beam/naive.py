@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from specla.ops.linear import naive as linear_ref
 from specla.precision import accumulation_dtype
 
 
@@ -63,3 +64,11 @@ def beam_expand(logits: torch.Tensor, beam_scores: torch.Tensor, topk: int, scal
     lp = val - torch.logsumexp(x, -1, keepdim=True)
     scores = (beam_scores.to(acc)[..., None] + lp).flatten(1)
     return tok.flatten(1), scores, top_k(scores, topk)[1]
+
+
+def head_expand(h: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                beam_scores: torch.Tensor, topk: int, scale: float = 1.0):
+    """`beam_expand` from the beams' hidden states h [B, nb, D]: their logits are the drafter's
+    head, RMS-normalised h times weight [V, D] (`ops.linear.naive.fused`, rounded to h's dtype as
+    the modules' are)."""
+    return beam_expand(linear_ref.fused(h, weight, norm_weight, eps), beam_scores, topk, scale)

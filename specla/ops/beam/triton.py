@@ -12,6 +12,13 @@ most ROW_MAX takes one launch, `_row_kernel`: one program per batch row holds th
 and its children are the next beams in their own order (scores fall with the logits).
 The chunks find each pick's value and lowest index in one reduction over packed keys
 (`_keys`; H200: 2.5 → 2.3 µs a chunk launch); the row kernel keeps two reductions a pick.
+
+`head_expand` starts one step earlier, from the beams' hidden states: `_head_chunk_kernel`, one
+program per (batch row, HEAD_CHUNK tokens of the vocabulary), RMS-normalises the row's beams,
+forms their logits for its tokens against that slice of the LM head (`tl.dot`) and reduces them
+as `_chunk_kernel` does, so the logits are never written; `_merge_kernel` follows. A tree's depth
+was four launches on the demo drafter (the norm, cuBLAS's LM head over the beams, the chunks, the
+merge: ~9 µs of GPU time a depth on the H200, tree_shapes_8f57fb9_profile.json); now two.
 """
 
 from __future__ import annotations
@@ -20,7 +27,13 @@ import torch
 import triton
 import triton.language as tl
 
+from specla.ops.linear.triton import _rms_normed
+
 CHUNK = 1024
+# vocabulary a head-chunk program scores: the demo's 8,192-token head in 128 programs of 32 KiB of
+# weights each (one program per chunk of 1024 would leave the head's read to 8 SMs)
+HEAD_CHUNK = 64
+MAX_HEAD_WIDTH = 1024  # a head-chunk program holds its beams' whole rows (as `ops.linear`'s fused kernels)
 ROW_MAX = 16384  # one program holds a row of up to this many logits (64 KiB of fp32 registers)
 BIG = tl.constexpr(2 ** 31 - 1)  # an index past any vocabulary (a jitted global must be a constexpr)
 NO_KEY = tl.constexpr(-2 ** 63)  # below every key of `_keys`: lanes past the row, and taken ones
@@ -64,6 +77,40 @@ def _chunk_kernel(x, cand_v, cand_i, cmax, csum, V, NC, s_row, scale, K: tl.cons
         tl.store(cand_v + out + j, v)
         tl.store(cand_i + out + j, i)
         key = tl.where(key == best, NO_KEY, key)
+
+
+@triton.jit
+def _head_chunk_kernel(h, norm_w, weight, cand_v, cand_i, cmax, csum, nb, V, D, NC, eps, scale,
+                       K: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
+    b, c = tl.program_id(0), tl.program_id(1)
+    rows = tl.arange(0, NB)
+    cols = tl.arange(0, BD)
+    offs = c * BLOCK + tl.arange(0, BLOCK)
+    mr, mk, live = rows < nb, cols < D, offs < V
+    wt = tl.load(weight + offs[:, None].to(tl.int64) * D + cols[None, :], mask=live[:, None] & mk[None, :],
+                 other=0.0).to(tl.float32)
+    xf = tl.load(h + (b * nb + rows)[:, None] * D + cols[None, :], mask=mr[:, None] & mk[None, :],
+                 other=0.0).to(tl.float32)
+    # as the modules: the norm's output rounded to h's dtype, the logits to it too. Both operands
+    # in fp32 (PREC tf32 holds bf16 values exactly: the products are exact either way), because
+    # Triton's interpreter computes bf16 dots wrongly (triton 3.7.1)
+    xn = _rms_normed(xf, tl.load(norm_w + cols, mask=mk, other=0.0).to(tl.float32), D, eps, h.dtype.element_ty)
+    acc = tl.dot(xn, tl.trans(wt), input_precision=PREC)
+    xv = acc.to(h.dtype.element_ty).to(tl.float32) * scale  # [NB, BLOCK]
+    xv = tl.where(live[None, :], xv, float("-inf"))
+    m = tl.max(xv, 1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    r = b * nb + rows
+    tl.store(cmax + r * NC + c, m, mask=mr)
+    tl.store(csum + r * NC + c, tl.sum(tl.where(live[None, :], tl.exp(xv - m_safe[:, None]), 0.0), 1), mask=mr)
+    key = _keys(xv, offs[None, :], live[None, :])
+    out = (r * NC + c) * K
+    for j in tl.static_range(K):
+        best = tl.max(key, 1)
+        v, i = _unkey(best)
+        tl.store(cand_v + out + j, v, mask=mr)
+        tl.store(cand_i + out + j, i, mask=mr)
+        key = tl.where(key == best[:, None], NO_KEY, key)
 
 
 @triton.jit
@@ -144,6 +191,11 @@ def beam_expand(logits: torch.Tensor, beam_scores: torch.Tensor, topk: int, scal
     cmax = torch.empty(B * nb, NC, dtype=torch.float32, device=dev)
     csum = torch.empty_like(cmax)
     _chunk_kernel[(B * nb, NC)](x, cand_v, cand_i, cmax, csum, V, NC, V, scale, K=topk, BLOCK=BLOCK)
+    return _merge(cand_v, cand_i, cmax, csum, beam_scores, B, nb, NC, topk)
+
+
+def _merge(cand_v, cand_i, cmax, csum, beam_scores, B: int, nb: int, NC: int, topk: int):
+    dev = cand_v.device
     tok = torch.empty(B, nb * topk, dtype=torch.long, device=dev)
     scores = torch.empty(B, nb * topk, dtype=torch.float32, device=dev)
     beams = torch.empty(B, topk, dtype=torch.long, device=dev)
@@ -151,3 +203,25 @@ def beam_expand(logits: torch.Tensor, beam_scores: torch.Tensor, topk: int, scal
                         K=topk, KP=triton.next_power_of_2(topk), NB=triton.next_power_of_2(nb),
                         NCP=triton.next_power_of_2(NC), NCK=triton.next_power_of_2(NC * topk))
     return tok, scores, beams
+
+
+def head_expand(h: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                beam_scores: torch.Tensor, topk: int, scale: float = 1.0, *, block: int = HEAD_CHUNK):
+    """Same contract as `naive.head_expand`: h [B, nb, D] the beams' hidden states (fp32 or
+    lower precision, D <= MAX_HEAD_WIDTH, nb <= 16), weight [V, D] the LM head (V >= topk)."""
+    B, nb, D = h.shape
+    V = weight.shape[0]
+    if D > MAX_HEAD_WIDTH or nb > 16 or weight.shape[1] != D:
+        raise ValueError(f"head_expand takes up to 16 beams of at most {MAX_HEAD_WIDTH} values and a [V, D] head, "
+                         f"got h {tuple(h.shape)}, weight {tuple(weight.shape)}")
+    NC = triton.cdiv(V, block)
+    dev = h.device
+    cand_v = torch.empty(B * nb, NC, topk, dtype=torch.float32, device=dev)
+    cand_i = torch.empty(B * nb, NC, topk, dtype=torch.int32, device=dev)
+    cmax = torch.empty(B * nb, NC, dtype=torch.float32, device=dev)
+    csum = torch.empty_like(cmax)
+    _head_chunk_kernel[(B, NC)](h.contiguous(), norm_weight.contiguous(), weight.contiguous(), cand_v, cand_i, cmax,
+                                csum, nb, V, D, NC, eps, scale, K=topk, NB=16, BLOCK=block,
+                                BD=triton.next_power_of_2(D),
+                                PREC="ieee" if h.dtype == torch.float32 else "tf32", num_warps=4)
+    return _merge(cand_v, cand_i, cmax, csum, beam_scores, B, nb, NC, topk)
