@@ -43,6 +43,9 @@ SPECIAL = {  # name -> generate() options, for what a name cannot say
     # (SPECLA_DRAFT_FUSED=torch), as before `ops.fused_linear`
     "chain8-unfused": dict(route="chain", chain_length=8, draft_fused="torch"),
     "tree-k4-d8-n16-unfused": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, draft_fused="torch"),
+    # a depth's norm and LM head on the modules, then `beam_expand` (SPECLA_HEAD_EXPAND=modules),
+    # as before `ops.head_expand`
+    "tree-k4-d8-n16-modhead": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, head_expand="modules"),
     # the depth step traced (SPECLA_BEAM_EXPAND=torch) instead of the two-launch op
     "tree-k4-w1-d8-n16-traced": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, tree_width=1,
                                      beam_expand="torch"),
@@ -97,6 +100,7 @@ def main():
     for name, kw in shapes.items():
         ops.BEAM_EXPAND = kw.pop("beam_expand", "auto")  # both read when the rollout is traced
         ops.DRAFT_FUSED = kw.pop("draft_fused", "auto")
+        ops.HEAD_EXPAND = kw.pop("head_expand", "auto")
         verifier = kw.pop("tree_verifier", "auto")
         if verifier != ops.TREE_VERIFIER:  # read when the target's round is traced: new round graphs
             ops.TREE_VERIFIER = verifier

@@ -1,6 +1,9 @@
 """`ops.beam_expand`: the reference's top-k and tie rules, and the Triton kernels against the
 reference (interpreter on CPU)."""
 
+import shutil
+
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -171,3 +174,32 @@ def test_head_expand_op_dispatch():
     assert not ops.fuses_head(h, weight)  # CPU tensors under the auto backend: the reference
     for a, b in zip(out, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("cc") is None,
+                    reason="torch.compile on CPU needs a C++ compiler (none found)")
+def test_compiled_tree_rollout_scores_with_head_expand(monkeypatch):
+    """The EAGLE drafter's tree rollout compiled as its graph is, on the Triton backend: every
+    depth scores through `ops.head_expand` (an opaque op inside the compiled rollout) and the
+    drafted tokens, parents and valid counts equal the eager rollout's."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_attention_kernels import _drafter
+    from specla import fused
+
+    calls = []
+    monkeypatch.setattr(beam_triton, "head_expand", lambda *a, _f=beam_triton.head_expand, **k:
+                        calls.append(1) or _f(*a, **k))
+    with ops.backend("triton"), torch.no_grad():
+        d, root = _drafter(torch.float32, dict(topk=3, depth=3), graphs_compile="default")
+        W = d._window()
+        eager = d.draft(root, d.k.clone()[:, :, :W], d.v.clone()[:, :, :W], graphed=True)
+        assert len(calls) == d.depth
+        keys, values = d.k[:, :, :W], d.v[:, :, :W]
+        fused.mark_dynamic(2, keys, values)
+        compiled = d._graph_fns()[0](root, keys, values)
+    assert len(calls) == 2 * d.depth
+    for a, b in zip(compiled, eager):
+        assert torch.equal(a, b)
