@@ -28,6 +28,7 @@ from specla import ops
 from specla.bench.common import environment, warm_set
 from specla.bench.e2e import bootstrap_ratio
 from specla.data.suites import load_gsm8k_train, load_suite
+from specla.ops.beam import triton as beam_triton
 from specla.train.drafter import held_out_gsm8k
 
 # plain shapes are read from their names (`shape_options`): chainL (L-token chains) and
@@ -46,10 +47,14 @@ SPECIAL = {  # name -> generate() options, for what a name cannot say
     # a depth's norm and LM head on the modules, then `beam_expand` (SPECLA_HEAD_EXPAND=modules),
     # as before `ops.head_expand`
     "tree-k4-d8-n16-modhead": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, head_expand="modules"),
+    # `head_expand` with 32 / 128 vocabulary tokens a program instead of HEAD_CHUNK (64)
+    "tree-k4-d8-n16-hc32": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, head_chunk=32),
+    "tree-k4-d8-n16-hc128": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, head_chunk=128),
     # the depth step traced (SPECLA_BEAM_EXPAND=torch) instead of the two-launch op
     "tree-k4-w1-d8-n16-traced": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, tree_width=1,
                                      beam_expand="torch"),
 }
+HEAD_CHUNK = beam_triton.HEAD_CHUNK
 CHAIN = re.compile(r"chain(\d+)")
 TREE = re.compile(r"tree-k(\d+)(?:-w(\d+))?-d(\d+)-n(\d+)(?:-t([0-9.]+))?")
 
@@ -101,6 +106,7 @@ def main():
         ops.BEAM_EXPAND = kw.pop("beam_expand", "auto")  # both read when the rollout is traced
         ops.DRAFT_FUSED = kw.pop("draft_fused", "auto")
         ops.HEAD_EXPAND = kw.pop("head_expand", "auto")
+        beam_triton.HEAD_CHUNK = kw.pop("head_chunk", HEAD_CHUNK)
         verifier = kw.pop("tree_verifier", "auto")
         if verifier != ops.TREE_VERIFIER:  # read when the target's round is traced: new round graphs
             ops.TREE_VERIFIER = verifier

@@ -206,9 +206,11 @@ def _merge(cand_v, cand_i, cmax, csum, beam_scores, B: int, nb: int, NC: int, to
 
 
 def head_expand(h: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                beam_scores: torch.Tensor, topk: int, scale: float = 1.0, *, block: int = HEAD_CHUNK):
+                beam_scores: torch.Tensor, topk: int, scale: float = 1.0, *, block: int | None = None):
     """Same contract as `naive.head_expand`: h [B, nb, D] the beams' hidden states (fp32 or
-    lower precision, D <= MAX_HEAD_WIDTH, nb <= 16), weight [V, D] the LM head (V >= topk)."""
+    lower precision, D <= MAX_HEAD_WIDTH, nb <= 16), weight [V, D] the LM head (V >= topk);
+    block: vocabulary a program scores (default HEAD_CHUNK, read at the call)."""
+    block = block or HEAD_CHUNK
     B, nb, D = h.shape
     V = weight.shape[0]
     if D > MAX_HEAD_WIDTH or nb > 16 or weight.shape[1] != D:
