@@ -105,11 +105,12 @@ def beam_search(step, root: torch.Tensor, topk: int, depth: int, tau: float | No
         if best is not None and tau is not None and bool((beam_score.amax(1) < best - tau).all()):
             break
         out = step(d, beam_tok, src)  # logits, or hidden states with a head
-        if beam_score is None:
-            beam_score = out.new_zeros(B, 1, dtype=accumulation_dtype(out.dtype))
-        if head is not None:
-            tok, score, nxt = ops.head_expand(out, *head, beam_score, topk, scale)
+        picked = None  # the next beams' tokens, scores and parent beams, where the depth step gave them
+        if head is not None:  # (the root's zero score made inside the op: no kernel of its own)
+            tok, score, nxt, *picked = ops.head_expand(out, *head, beam_score, topk, scale)
         else:
+            if beam_score is None:
+                beam_score = out.new_zeros(B, 1, dtype=accumulation_dtype(out.dtype))
             tok, score, nxt = expand(beam_score, out, topk, scale) if scored else top1(beam_score, out)
         pool.append((tok, beam_pool[:, :, None].expand(-1, -1, topk).flatten(1), score))
         if best is None:
@@ -122,9 +123,11 @@ def beam_search(step, root: torch.Tensor, topk: int, depth: int, tau: float | No
             beam_tok, beam_score = tok[:, :1], score[:, :1]
         else:
             nxt = nxt[:, :width]
-            src = nxt // topk
             beam_pool = size + nxt
-            beam_tok, beam_score = tok.gather(1, nxt), score.gather(1, nxt)
+            if picked is None:
+                src, beam_tok, beam_score = nxt // topk, tok.gather(1, nxt), score.gather(1, nxt)
+            else:
+                beam_tok, beam_score, src = (t[:, :width] for t in picked)
         size += tok.shape[1]
     return tuple(torch.cat(parts, 1) for parts in zip(*pool))
 

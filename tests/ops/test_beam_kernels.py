@@ -135,10 +135,15 @@ def test_head_expand_kernel_matches_reference(B, nb, V, D, k, tied, seed, scale)
         weight[V // 2] = weight[V // 3] = weight.sum(0) / 4  # large: at the top of most rows, tied
     norm_w = 1 + 0.1 * torch.randn(D, generator=g)
     scores = torch.randn(B, nb, generator=g)
-    tok, sc, beams = beam_triton.head_expand(h, weight, norm_w, 1e-6, scores, k, scale, block=16)
-    rtok, rsc, rbeams = beam_naive.head_expand(h, weight, norm_w, 1e-6, scores, k, scale)
+    tok, sc, beams, ntok, nsc, nsrc = beam_triton.head_expand(h, weight, norm_w, 1e-6, scores, k, scale, block=16)
+    rtok, rsc, rbeams, rntok, rnsc, rnsrc = beam_naive.head_expand(h, weight, norm_w, 1e-6, scores, k, scale)
     assert torch.equal(tok, rtok) and torch.equal(beams, rbeams)
     torch.testing.assert_close(sc, rsc, rtol=1e-5, atol=1e-4)
+    # the next beams: the picked children's tokens, scores and parents, as the rollout would find them
+    assert torch.equal(ntok, rntok) and torch.equal(ntok, tok.gather(1, beams))
+    assert torch.equal(nsrc, rnsrc) and torch.equal(nsrc, beams // k)
+    assert torch.equal(nsc, sc.gather(1, beams))
+    torch.testing.assert_close(nsc, rnsc, rtol=1e-5, atol=1e-4)
 
 
 def test_head_expand_kernel_bf16_picks_the_reference_logits():
@@ -150,12 +155,12 @@ def test_head_expand_kernel_bf16_picks_the_reference_logits():
     weight = (torch.randn(300, 64, generator=g) / 8).bfloat16()
     norm_w = torch.ones(64).bfloat16()
     scores = torch.zeros(1, 4)
-    tok, sc, _ = beam_triton.head_expand(h, weight, norm_w, 1e-6, scores, 4, 1.0, block=64)
+    tok, sc, *_ = beam_triton.head_expand(h, weight, norm_w, 1e-6, scores, 4, 1.0, block=64)
     logits = linear_naive.fused(h, weight, norm_w, 1e-6).float()
     rvals = beam_naive.top_k(logits, 4)[0].flatten(1)
     picked = logits.flatten(1).gather(1, (tok.view(1, 4, 4) + 300 * torch.arange(4)[None, :, None]).flatten(1))
     torch.testing.assert_close(picked, rvals, rtol=0, atol=0.02)
-    _, rsc, _ = beam_naive.head_expand(h, weight, norm_w, 1e-6, scores, 4, 1.0)
+    rsc = beam_naive.head_expand(h, weight, norm_w, 1e-6, scores, 4, 1.0)[1]
     torch.testing.assert_close(sc, rsc, rtol=0, atol=0.03)
 
 
@@ -174,6 +179,11 @@ def test_head_expand_op_dispatch():
     assert not ops.fuses_head(h, weight)  # CPU tensors under the auto backend: the reference
     for a, b in zip(out, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+    # no beam scores (the root's depth): zeros, in the kernel and the reference
+    zero = beam_naive.head_expand(h, weight, norm_w, 1e-6, torch.zeros(1, 3), 2)
+    for impl in (beam_naive.head_expand, beam_triton.head_expand):
+        for a, b in zip(impl(h, weight, norm_w, 1e-6, None, 2), zero):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("cc") is None,

@@ -67,8 +67,14 @@ def beam_expand(logits: torch.Tensor, beam_scores: torch.Tensor, topk: int, scal
 
 
 def head_expand(h: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                beam_scores: torch.Tensor, topk: int, scale: float = 1.0):
+                beam_scores: torch.Tensor | None, topk: int, scale: float = 1.0):
     """`beam_expand` from the beams' hidden states h [B, nb, D]: their logits are the drafter's
     head, RMS-normalised h times weight [V, D] (`ops.linear.naive.fused`, rounded to h's dtype as
-    the modules' are)."""
-    return beam_expand(linear_ref.fused(h, weight, norm_weight, eps), beam_scores, topk, scale)
+    the modules' are). Besides beam_expand's (tok, scores, beams), the next beams' tokens, scores
+    and parent beams [B, topk] (of the children `beams` picks), which the rollout would
+    otherwise gather and divide. beam_scores None: zeros (the root's depth, without a kernel
+    to make them)."""
+    if beam_scores is None:
+        beam_scores = h.new_zeros(h.shape[:2], dtype=accumulation_dtype(h.dtype))
+    tok, scores, beams = beam_expand(linear_ref.fused(h, weight, norm_weight, eps), beam_scores, topk, scale)
+    return tok, scores, beams, tok.gather(1, beams), scores.gather(1, beams), beams // topk

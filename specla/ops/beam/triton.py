@@ -114,8 +114,9 @@ def _head_chunk_kernel(h, norm_w, weight, cand_v, cand_i, cmax, csum, nb, V, D, 
 
 
 @triton.jit
-def _merge_kernel(cand_v, cand_i, cmax, csum, beam_scores, tok, scores, beams, nb, NC,
-                  K: tl.constexpr, KP: tl.constexpr, NB: tl.constexpr, NCP: tl.constexpr, NCK: tl.constexpr):
+def _merge_kernel(cand_v, cand_i, cmax, csum, beam_scores, tok, scores, beams, next_tok, next_score, next_src, nb, NC,
+                  K: tl.constexpr, KP: tl.constexpr, NB: tl.constexpr, NCP: tl.constexpr, NCK: tl.constexpr,
+                  NEXT: tl.constexpr, HAS_BS: tl.constexpr):
     b = tl.program_id(0)
     rows = tl.arange(0, NB)
     live = rows < nb
@@ -131,9 +132,13 @@ def _merge_kernel(cand_v, cand_i, cmax, csum, beam_scores, tok, scores, beams, n
     top = tl.max(cm, 1)
     top = tl.where(top == float("-inf"), 0.0, top)
     lse = top + tl.log(tl.where(live, tl.sum(cs * tl.exp(cm - top[:, None]), 1), 1.0))
-    bs = tl.load(beam_scores + r, mask=live, other=0.0).to(tl.float32)
+    if HAS_BS:
+        bs = tl.load(beam_scores + r, mask=live, other=0.0).to(tl.float32)
+    else:  # the root's depth: every beam scores 0
+        bs = tl.zeros([NB], tl.float32)
     kk = tl.arange(0, KP)
     child = tl.full([NB, KP], float("-inf"), tl.float32)
+    ctok = tl.zeros([NB, KP], tl.int32)
     for j in tl.static_range(K):
         mv = tl.max(v, 1)
         mi = tl.min(tl.where(v == mv[:, None], ix, BIG), 1)
@@ -141,12 +146,18 @@ def _merge_kernel(cand_v, cand_i, cmax, csum, beam_scores, tok, scores, beams, n
         tl.store(tok + b * nb * K + rows * K + j, mi, mask=live)
         tl.store(scores + b * nb * K + rows * K + j, sc, mask=live)
         child = tl.where((kk == j)[None, :] & live[:, None], sc[:, None], child)
+        ctok = tl.where((kk == j)[None, :], mi[:, None], ctok)
         v = tl.where(ix == mi[:, None], float("-inf"), v)
     flat = rows[:, None] * K + kk[None, :]
     for j in tl.static_range(K):
         best = tl.max(tl.max(child, 1), 0)
-        f = tl.min(tl.min(tl.where(child == best, flat, BIG), 1), 0)
+        pick = child == best
+        f = tl.min(tl.min(tl.where(pick, flat, BIG), 1), 0)
         tl.store(beams + b * K + j, f)
+        if NEXT:  # the next beam's token, score and parent beam: no gather or division follows the launch
+            tl.store(next_tok + b * K + j, tl.sum(tl.sum(tl.where(flat == f, ctok, 0), 1), 0))
+            tl.store(next_score + b * K + j, best)
+            tl.store(next_src + b * K + j, f // K)
         child = tl.where(flat == f, float("-inf"), child)
 
 
@@ -194,21 +205,37 @@ def beam_expand(logits: torch.Tensor, beam_scores: torch.Tensor, topk: int, scal
     return _merge(cand_v, cand_i, cmax, csum, beam_scores, B, nb, NC, topk)
 
 
-def _merge(cand_v, cand_i, cmax, csum, beam_scores, B: int, nb: int, NC: int, topk: int):
+def merge_warps(nb: int, NC: int, topk: int) -> int:
+    """Warps of a merge: 4, more once its candidates ([nb, NC·topk] values and ids) outgrow
+    them (4 beams of the head-chunk's 128 chunks spilled on 4 warps, `aot_check`)."""
+    return max(4, min(16, triton.next_power_of_2(nb) * triton.next_power_of_2(NC * topk) // 256))
+
+
+def _merge(cand_v, cand_i, cmax, csum, beam_scores, B: int, nb: int, NC: int, topk: int, nxt: bool = False):
+    """The merge launch: (tok, scores, beams), and with nxt the next beams' tokens, scores and
+    parent beams."""
     dev = cand_v.device
     tok = torch.empty(B, nb * topk, dtype=torch.long, device=dev)
     scores = torch.empty(B, nb * topk, dtype=torch.float32, device=dev)
     beams = torch.empty(B, topk, dtype=torch.long, device=dev)
-    _merge_kernel[(B,)](cand_v, cand_i, cmax, csum, beam_scores.float().contiguous(), tok, scores, beams, nb, NC,
+    out = (tok, scores, beams)
+    if nxt:
+        out += (torch.empty(B, topk, dtype=torch.long, device=dev), torch.empty(B, topk, dtype=torch.float32, device=dev),
+                torch.empty(B, topk, dtype=torch.long, device=dev))
+    bs = cand_v if beam_scores is None else beam_scores.float().contiguous()
+    _merge_kernel[(B,)](cand_v, cand_i, cmax, csum, bs, tok, scores, beams,
+                        *(out[3:] if nxt else (tok, scores, beams)), nb, NC,
                         K=topk, KP=triton.next_power_of_2(topk), NB=triton.next_power_of_2(nb),
-                        NCP=triton.next_power_of_2(NC), NCK=triton.next_power_of_2(NC * topk))
-    return tok, scores, beams
+                        NCP=triton.next_power_of_2(NC), NCK=triton.next_power_of_2(NC * topk), NEXT=nxt,
+                        HAS_BS=beam_scores is not None, num_warps=merge_warps(nb, NC, topk))
+    return out
 
 
 def head_expand(h: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                beam_scores: torch.Tensor, topk: int, scale: float = 1.0, *, block: int | None = None):
-    """Same contract as `naive.head_expand`: h [B, nb, D] the beams' hidden states (fp32 or
-    lower precision, D <= MAX_HEAD_WIDTH, nb <= 16), weight [V, D] the LM head (V >= topk);
+                beam_scores: torch.Tensor | None, topk: int, scale: float = 1.0, *, block: int | None = None):
+    """Same contract as `naive.head_expand` (six outputs): h [B, nb, D] the beams' hidden states
+    (fp32 or lower precision, D <= MAX_HEAD_WIDTH, nb <= 16), weight [V, D] the LM head (V >= topk),
+    beam_scores None for zeros;
     block: vocabulary a program scores (default HEAD_CHUNK, read at the call)."""
     block = block or HEAD_CHUNK
     B, nb, D = h.shape
@@ -226,4 +253,4 @@ def head_expand(h: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor
                                 csum, nb, V, D, NC, eps, scale, K=topk, NB=16, BLOCK=block,
                                 BD=triton.next_power_of_2(D),
                                 PREC="ieee" if h.dtype == torch.float32 else "tf32", num_warps=4)
-    return _merge(cand_v, cand_i, cmax, csum, beam_scores, B, nb, NC, topk)
+    return _merge(cand_v, cand_i, cmax, csum, beam_scores, B, nb, NC, topk, nxt=True)
