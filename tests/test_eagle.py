@@ -128,14 +128,14 @@ def test_training_unroll_is_what_drafting_computes(route):
 # tree construction ---------------------------------------------------------------------------
 
 def _fake_scorer(vocab: int, seed: int):
-    """step(d, tokens, src) for tree.beam_search: log-probs that depend on each beam's whole path."""
+    """step(d, tokens, src, rows) for tree.beam_search: log-probs that depend on each beam's whole path."""
     paths = [[()]]
 
     def logp_of(path):
         g = torch.Generator().manual_seed(hash((seed,) + path) % 2**31)
         return torch.log_softmax(torch.randn(vocab, generator=g, dtype=torch.float64) * 3, 0)
 
-    def step(d, tokens, src):
+    def step(d, tokens, src, rows):
         new = [paths[-1][s] + ((t,) if d else ()) for s, t in zip(src[0].tolist(), tokens[0].tolist())]
         paths.append(new)
         return torch.stack([logp_of(p) for p in new])[None]
@@ -485,7 +485,7 @@ def test_build_batch_equals_build(shape, vocab, seeds, budget, tau):
     pools = []
     for seed in seeds:
         step, _ = _fake_scorer(vocab, seed)
-        coarse = lambda d, t, src, _s=step: (_s(d, t, src) * 2).round() / 2  # noqa: E731  (ties)
+        coarse = lambda d, t, src, rows, _s=step: (_s(d, t, src, rows) * 2).round() / 2  # noqa: E731  (ties)
         pools.append(tree.beam_search(coarse, torch.tensor([0]), topk, depth, width=width))  # full, as graphs run it
     tok, par, score = (torch.cat([p[i] for p in pools]) for i in range(3))
     root = torch.arange(7, 7 + len(seeds))

@@ -527,13 +527,16 @@ class EagleDrafter(Drafter):
         rows = None  # the previous depth's entries' ancestor-or-self rows
         inv_freq = m.inv_freq(h.device, h.dtype)
         # a tree's depths score their beams' h with the head inside the depth step's kernels
-        head = (tree.Head(tgt.lm_head.weight, m.norm.weight, m.norm.eps)
+        # (and form the next depth's entries' ancestor rows there)
+        head = (tree.Head(tgt.lm_head.weight, m.norm.weight, m.norm.eps, E if w > 1 else 0)
                 if scored and self.topk > 1 and ops.fuses_head(h.expand(-1, w, -1), tgt.lm_head.weight) else None)
 
-        def step(d, tokens, src):
+        def step(d, tokens, src, given):
             nonlocal h, rows
             start = 0 if d == 0 else 1 + (d - 1) * w
-            if w > 1:
+            if given is not None:
+                rows = given
+            elif w > 1 and head is None:
                 rows = tree.entry_ancestors(None if d == 0 else rows, src, start, E)
             x = m.step_inputs(tgt.embeddings.weight, tokens, h, src)
             q, kk, v = m.qkv(x, None)

@@ -70,10 +70,12 @@ def top1(beam_scores: torch.Tensor, logits: torch.Tensor):
 
 class Head(NamedTuple):
     """A drafter's output norm and LM head, for a rollout that scores hidden states
-    (`beam_search`'s head)."""
+    (`beam_search`'s head); entries > 0: the drafter's queries a rollout makes (the root, then
+    width a depth, `entry_ancestors`), whose ancestor rows the depth step then also forms."""
     weight: torch.Tensor  # [V, D]
     norm_weight: torch.Tensor  # [D]
     eps: float
+    entries: int = 0
 
 
 def beam_search(step, root: torch.Tensor, topk: int, depth: int, tau: float | None = None,
@@ -81,9 +83,10 @@ def beam_search(step, root: torch.Tensor, topk: int, depth: int, tau: float | No
                 first: torch.Tensor | None = None, head: Head | None = None):
     """The rollout: the pool's tokens, parents (-1 = the root) and scores, [B, P] each.
 
-    step(d, tokens, src) -> logits [B, n, V] scores the n beams of depth d (d = 0: the root
+    step(d, tokens, src, rows) -> logits [B, n, V] scores the n beams of depth d (d = 0: the root
     alone, tokens = root[:, None]); src[b, i] is the beam of depth d - 1 that beam i extends
-    (0 at d = 1; zeros at d = 0). With tau, the rollout stops once every beam is outside the
+    (0 at d = 1; zeros at d = 0); rows: the beams' ancestor rows where a head with entries
+    formed them (else None). With tau, the rollout stops once every beam is outside the
     window: scores never increase along a path, so nothing deeper could enter it (one host
     read per depth). Without tau there is no host synchronisation: it can be graph-captured.
     scored=False (top-1 without tau): the scores stay 0 (`top1`). width: beams kept a depth
@@ -91,7 +94,8 @@ def beam_search(step, root: torch.Tensor, topk: int, depth: int, tau: float | No
     the drafter's distribution; it changes which nodes the budget keeps, not the tokens a
     beam proposes. first: zeros [B, 1], the src of every one-beam depth (made here if None).
     head (scored, top-k > 1): step returns the beams' hidden states [B, n, D] instead, and each
-    depth scores them with `ops.head_expand`, the head's matmul inside the depth step's kernels.
+    depth scores them with `ops.head_expand`, the head's matmul inside the depth step's kernels,
+    which also picks the next beams (and forms their rows): no other kernel between depths.
     """
     B, dev = root.shape[0], root.device
     width = topk if width is None else width
@@ -100,14 +104,16 @@ def beam_search(step, root: torch.Tensor, topk: int, depth: int, tau: float | No
     first = torch.zeros(B, 1, dtype=torch.long, device=dev) if first is None else first
     beam_tok, src = root[:, None], first
     beam_pool = torch.full((B, 1), -1, dtype=torch.long, device=dev)  # the root is no pool node
-    beam_score, best, size, pool = None, None, 0, []
+    beam_score, best, size, pool, rows = None, None, 0, [], None
     for d in range(depth):
         if best is not None and tau is not None and bool((beam_score.amax(1) < best - tau).all()):
             break
-        out = step(d, beam_tok, src)  # logits, or hidden states with a head
-        picked = None  # the next beams' tokens, scores and parent beams, where the depth step gave them
+        out = step(d, beam_tok, src, rows)  # logits, or hidden states with a head
+        picked = None  # the next beams' tokens, scores, parent beams and rows, where the depth step gave them
         if head is not None:  # (the root's zero score made inside the op: no kernel of its own)
-            tok, score, nxt, *picked = ops.head_expand(out, *head, beam_score, topk, scale)
+            entries = head.entries if d + 1 < depth else 0  # the last depth's children are no entries
+            tok, score, nxt, *picked = ops.head_expand(out, head.weight, head.norm_weight, head.eps, beam_score,
+                                                       topk, scale, rows, 1 + d * width, entries)
         else:
             if beam_score is None:
                 beam_score = out.new_zeros(B, 1, dtype=accumulation_dtype(out.dtype))
@@ -127,7 +133,8 @@ def beam_search(step, root: torch.Tensor, topk: int, depth: int, tau: float | No
             if picked is None:
                 src, beam_tok, beam_score = nxt // topk, tok.gather(1, nxt), score.gather(1, nxt)
             else:
-                beam_tok, beam_score, src = (t[:, :width] for t in picked)
+                beam_tok, beam_score, src, rows = (t[:, :width] for t in picked)
+                rows = rows if entries else None
         size += tok.shape[1]
     return tuple(torch.cat(parts, 1) for parts in zip(*pool))
 

@@ -550,28 +550,30 @@ def fuses_head(h: torch.Tensor, weight: torch.Tensor) -> bool:
 
 @torch.library.custom_op("specla::head_expand", mutates_args=())
 def head_expand(h: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                beam_scores: Optional[torch.Tensor], topk: int,
-                scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                             torch.Tensor]:
-    """`beam_expand` of the logits of a drafter's head, and the next beams' tokens, scores and parents
-    (`ops.beam.naive.head_expand`): two
+                beam_scores: Optional[torch.Tensor], topk: int, scale: float = 1.0,
+                rows: Optional[torch.Tensor] = None, start: int = 0, entries: int = 0,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                           torch.Tensor]:
+    """`beam_expand` of the logits of a drafter's head, and the next beams' tokens, scores,
+    parents and ancestor rows (`ops.beam.naive.head_expand`): two
     Triton launches from the beams' hidden states where `fuses_head` (the norm, the head and
     the chunks' reductions in the first), the reference elsewhere. A custom op, so that inside
     the drafter's compiled rollout it stays one opaque call."""
     if not fuses_head(h, weight):
-        return beam_ref.head_expand(h, weight, norm_weight, eps, beam_scores, topk, scale)
+        return beam_ref.head_expand(h, weight, norm_weight, eps, beam_scores, topk, scale, rows, start, entries)
     from specla.ops.beam import triton as beam_triton
 
-    return beam_triton.head_expand(h, weight, norm_weight, eps, beam_scores, topk, scale)
+    return beam_triton.head_expand(h, weight, norm_weight, eps, beam_scores, topk, scale, rows, start, entries)
 
 
 @head_expand.register_fake
-def _head_expand_shape(h, weight, norm_weight, eps, beam_scores, topk, scale=1.0):
+def _head_expand_shape(h, weight, norm_weight, eps, beam_scores, topk, scale=1.0, rows=None, start=0, entries=0):
     B, nb, _ = h.shape
     acc = accumulation_dtype(h.dtype)
     return (h.new_empty(B, nb * topk, dtype=torch.long), h.new_empty(B, nb * topk, dtype=acc),
             h.new_empty(B, topk, dtype=torch.long), h.new_empty(B, topk, dtype=torch.long),
-            h.new_empty(B, topk, dtype=acc), h.new_empty(B, topk, dtype=torch.long))
+            h.new_empty(B, topk, dtype=acc), h.new_empty(B, topk, dtype=torch.long),
+            h.new_empty(B, topk, entries, dtype=torch.bool))
 
 
 @torch.library.custom_op("specla::build_tree", mutates_args=())

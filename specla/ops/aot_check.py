@@ -20,7 +20,7 @@ import tempfile
 POINTERS = {
     "parents": "*i64", "chain_nodes": "*i32", "chain_len": "*i32", "light": "*i32", "n_chains": "*i32",
     "flags": "*i32", "counters": "*i32", "table": "*i32", "path_len": "*i32", "n_leaves": "*i32", "cand_i": "*i32", "tok": "*i64", "beams": "*i64",
-    "next_tok": "*i64", "next_src": "*i64",
+    "next_tok": "*i64", "next_src": "*i64", "prev_rows": "*u8", "next_rows": "*u8",
     "plen": "*i64", "valid": "*i64", "path": "*i64", "length": "*i64", "tokens": "*i64", "target": "*i64",
     "last": "*i64", "root": "*i64", "depth": "*i64", "out_tok": "*i64", "out_par": "*i64", "slots": "*i32",
     "allowed": "*u8", "x": "*bf16", "norm_w": "*bf16", "res": "*bf16", "emb_table": "*bf16", "h": "*bf16", "src": "*i64",
@@ -29,7 +29,7 @@ POINTERS = {
 ALIGNED = ("n_in",)
 SCALARS = {"scale": "fp32", "n": "i32", "P": "i32", "C": "i32", "n_tiles": "i32", "n_out": "i32", "n_in": "i32",
            "n_rows": "i32", "eps": "fp32", "V": "i32", "NC": "i32", "s_row": "i32", "nb": "i32", "W": "i32", "NS": "i32",
-           "M": "i32", "s_depth": "i32", "tau": "fp32", "D": "i32"}
+           "M": "i32", "s_depth": "i32", "tau": "fp32", "D": "i32", "E": "i32", "start": "i32", "s_rb": "i32"}
 
 
 def variants(H=8, HV=8, K=256, V=256):
@@ -83,13 +83,15 @@ def variants(H=8, HV=8, K=256, V=256):
     yield "greedy walk", accept._walk_kernel, dict(NP=32, HAS_VALID=True), 1
     yield "tree build (top-4, depth 8)", tree_ops._build_kernel, dict(NP=128, HAS_TAU=True), 4
     yield "beam_expand chunk", beam._chunk_kernel, dict(K=4, BLOCK=beam.CHUNK), 4
-    yield "beam_expand merge", beam._merge_kernel, dict(K=4, KP=4, NB=4, NCP=32, NCK=128, NEXT=False, HAS_BS=True), 4
+    yield ("beam_expand merge", beam._merge_kernel,
+           dict(K=4, KP=4, NB=4, NCP=32, NCK=128, NEXT=False, HAS_BS=True, ROWS=False, HAS_ROWS=False, EP=16), 4)
     # a tree depth from the demo drafter's hidden states (256 wide): norm, head, chunk reductions
     yield ("head_expand chunk D=256", beam._head_chunk_kernel,
            dict(K=4, NB=16, BLOCK=beam.HEAD_CHUNK, BD=256, PREC="tf32"), 4)
     for nb in (1, 4):  # the root's depth (no beam scores) and a later one
         yield (f"head_expand merge V=8192 nb={nb}", beam._merge_kernel,
-               dict(K=4, KP=4, NB=nb, NCP=128, NCK=512, NEXT=True, HAS_BS=nb > 1), beam.merge_warps(nb, 128, 4))
+               dict(K=4, KP=4, NB=nb, NCP=128, NCK=512, NEXT=True, HAS_BS=nb > 1, ROWS=True, HAS_ROWS=nb > 1, EP=32),
+               beam.merge_warps(nb, 128, 4))
     for V, warps in ((8192, 8), (beam.ROW_MAX, 16)):  # one beam's whole row: the demo's and the largest vocabulary
         yield f"beam_expand row V={V}", beam._row_kernel, dict(K=4, BLOCK=V), warps
     # a draft step's attention at the demo drafter's heads (64 dims) and the 1.3B stand-in's (128)

@@ -182,7 +182,7 @@ def _old_rollout(d, root, keys, values):
     committed, in_draft, entry_of_slot = rel < 0, (rel >= 0) & (rel < E), rel.clamp(0, E - 1)
     h, rows = d.pending[:, None], None
 
-    def step(dd, tokens, src):
+    def step(dd, tokens, src, rows_given):
         nonlocal h, rows
         n = tokens.shape[1]
         start = 0 if dd == 0 else 1 + (dd - 1) * w

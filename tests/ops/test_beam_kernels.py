@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specla import ops
+from specla.drafters import tree
 from specla.ops.beam import naive as beam_naive
 from specla.ops.beam import triton as beam_triton
 from specla.ops.linear import naive as linear_naive
@@ -135,13 +136,21 @@ def test_head_expand_kernel_matches_reference(B, nb, V, D, k, tied, seed, scale)
         weight[V // 2] = weight[V // 3] = weight.sum(0) / 4  # large: at the top of most rows, tied
     norm_w = 1 + 0.1 * torch.randn(D, generator=g)
     scores = torch.randn(B, nb, generator=g)
-    tok, sc, beams, ntok, nsc, nsrc = beam_triton.head_expand(h, weight, norm_w, 1e-6, scores, k, scale, block=16)
-    rtok, rsc, rbeams, rntok, rnsc, rnsrc = beam_naive.head_expand(h, weight, norm_w, 1e-6, scores, k, scale)
+    # the beams' ancestor rows over 1 + 3·nb entries: random, each beam's own entry set
+    E, start = 1 + 3 * nb, 1 + nb
+    rows = torch.rand(B, nb, E, generator=g) < 0.4
+    tok, sc, beams, ntok, nsc, nsrc, nrows = beam_triton.head_expand(h, weight, norm_w, 1e-6, scores, k, scale,
+                                                                     rows, start, E, block=16)
+    rtok, rsc, rbeams, rntok, rnsc, rnsrc, rnrows = beam_naive.head_expand(h, weight, norm_w, 1e-6, scores, k, scale,
+                                                                          rows, start, E)
     assert torch.equal(tok, rtok) and torch.equal(beams, rbeams)
     torch.testing.assert_close(sc, rsc, rtol=1e-5, atol=1e-4)
     # the next beams: the picked children's tokens, scores and parents, as the rollout would find them
     assert torch.equal(ntok, rntok) and torch.equal(ntok, tok.gather(1, beams))
     assert torch.equal(nsrc, rnsrc) and torch.equal(nsrc, beams // k)
+    # the next beams' rows: their parent beam's, and their own entry
+    assert nrows.dtype == torch.bool and torch.equal(nrows, rnrows)
+    assert torch.equal(rnrows, tree.entry_ancestors(rows, nsrc, start, E))
     assert torch.equal(nsc, sc.gather(1, beams))
     torch.testing.assert_close(nsc, rnsc, rtol=1e-5, atol=1e-4)
 
@@ -184,6 +193,11 @@ def test_head_expand_op_dispatch():
     for impl in (beam_naive.head_expand, beam_triton.head_expand):
         for a, b in zip(impl(h, weight, norm_w, 1e-6, None, 2), zero):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+    # the root's depth (one beam, no rows): the children's rows are the root's entry and their own
+    root = h[:, :1]
+    for impl in (beam_naive.head_expand, beam_triton.head_expand):
+        out = impl(root, weight, norm_w, 1e-6, None, 2, 1.0, None, 1, 5)
+        assert torch.equal(out[6], tree.entry_ancestors(tree.entry_ancestors(None, out[5][:, :1], 0, 5), out[5], 1, 5))
 
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("cc") is None,

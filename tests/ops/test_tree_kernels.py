@@ -14,7 +14,7 @@ def _pool(B, topk, depth, width, vocab, seed):
     """A batch of full rollouts whose log-probabilities are coarse (many ties)."""
     g = torch.Generator().manual_seed(seed)
 
-    def step(d, tokens, src):
+    def step(d, tokens, src, rows):
         return (torch.randn(tokens.shape[0], tokens.shape[1], vocab, generator=g) * 2).round() / 2
 
     return tree.beam_search(step, torch.zeros(B, dtype=torch.long), topk, depth, width=width)

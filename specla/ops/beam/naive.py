@@ -67,14 +67,26 @@ def beam_expand(logits: torch.Tensor, beam_scores: torch.Tensor, topk: int, scal
 
 
 def head_expand(h: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                beam_scores: torch.Tensor | None, topk: int, scale: float = 1.0):
+                beam_scores: torch.Tensor | None, topk: int, scale: float = 1.0, rows: torch.Tensor | None = None,
+                start: int = 0, entries: int = 0):
     """`beam_expand` from the beams' hidden states h [B, nb, D]: their logits are the drafter's
     head, RMS-normalised h times weight [V, D] (`ops.linear.naive.fused`, rounded to h's dtype as
     the modules' are). Besides beam_expand's (tok, scores, beams), the next beams' tokens, scores
     and parent beams [B, topk] (of the children `beams` picks), which the rollout would
     otherwise gather and divide. beam_scores None: zeros (the root's depth, without a kernel
-    to make them)."""
+    to make them).
+
+    The seventh output, [B, topk, entries] (bool), is the next beams' ancestor-or-self rows over
+    the `entries` queries of an EAGLE rollout (`drafters.tree.entry_ancestors`): next beam j is
+    entry start + j and extends the beam whose row is rows[:, src_j] ([B, nb, entries]; None:
+    the beams are the root, entry 0, whose row is itself). entries 0: an empty [B, topk, 0]."""
     if beam_scores is None:
         beam_scores = h.new_zeros(h.shape[:2], dtype=accumulation_dtype(h.dtype))
     tok, scores, beams = beam_expand(linear_ref.fused(h, weight, norm_weight, eps), beam_scores, topk, scale)
-    return tok, scores, beams, tok.gather(1, beams), scores.gather(1, beams), beams // topk
+    src = beams // topk
+    e = torch.arange(entries, device=h.device)
+    if rows is None:
+        rows = (e == 0).expand(h.shape[0], h.shape[1], entries)
+    own = e[None, None] == (start + torch.arange(topk, device=h.device))[None, :, None]
+    next_rows = rows.gather(1, src[:, :, None].expand(-1, -1, entries)) | own
+    return tok, scores, beams, tok.gather(1, beams), scores.gather(1, beams), src, next_rows

@@ -114,9 +114,11 @@ def _head_chunk_kernel(h, norm_w, weight, cand_v, cand_i, cmax, csum, nb, V, D, 
 
 
 @triton.jit
-def _merge_kernel(cand_v, cand_i, cmax, csum, beam_scores, tok, scores, beams, next_tok, next_score, next_src, nb, NC,
+def _merge_kernel(cand_v, cand_i, cmax, csum, beam_scores, tok, scores, beams, next_tok, next_score, next_src,
+                  prev_rows, next_rows, nb, NC, start, E, s_rb,
                   K: tl.constexpr, KP: tl.constexpr, NB: tl.constexpr, NCP: tl.constexpr, NCK: tl.constexpr,
-                  NEXT: tl.constexpr, HAS_BS: tl.constexpr):
+                  NEXT: tl.constexpr, HAS_BS: tl.constexpr, ROWS: tl.constexpr, HAS_ROWS: tl.constexpr,
+                  EP: tl.constexpr):
     b = tl.program_id(0)
     rows = tl.arange(0, NB)
     live = rows < nb
@@ -158,6 +160,14 @@ def _merge_kernel(cand_v, cand_i, cmax, csum, beam_scores, tok, scores, beams, n
             tl.store(next_tok + b * K + j, tl.sum(tl.sum(tl.where(flat == f, ctok, 0), 1), 0))
             tl.store(next_score + b * K + j, best)
             tl.store(next_src + b * K + j, f // K)
+        if ROWS:  # the next entry's ancestor-or-self row: its parent entry's (the root's at the
+            # root's depth), and itself
+            e = tl.arange(0, EP)
+            if HAS_ROWS:
+                row = tl.load(prev_rows + b * s_rb + (f // K) * E + e, mask=e < E, other=0) != 0
+            else:
+                row = e == 0
+            tl.store(next_rows + (b * K + j) * E + e, (row | (e == start + j)).to(tl.uint8), mask=e < E)
         child = tl.where(flat == f, float("-inf"), child)
 
 
@@ -211,9 +221,10 @@ def merge_warps(nb: int, NC: int, topk: int) -> int:
     return max(4, min(16, triton.next_power_of_2(nb) * triton.next_power_of_2(NC * topk) // 256))
 
 
-def _merge(cand_v, cand_i, cmax, csum, beam_scores, B: int, nb: int, NC: int, topk: int, nxt: bool = False):
-    """The merge launch: (tok, scores, beams), and with nxt the next beams' tokens, scores and
-    parent beams."""
+def _merge(cand_v, cand_i, cmax, csum, beam_scores, B: int, nb: int, NC: int, topk: int, nxt: bool = False,
+           rows: torch.Tensor | None = None, start: int = 0, entries: int = 0):
+    """The merge launch: (tok, scores, beams), and with nxt the next beams' tokens, scores,
+    parent beams and ancestor rows ([B, topk, entries], `naive.head_expand`)."""
     dev = cand_v.device
     tok = torch.empty(B, nb * topk, dtype=torch.long, device=dev)
     scores = torch.empty(B, nb * topk, dtype=torch.float32, device=dev)
@@ -221,22 +232,28 @@ def _merge(cand_v, cand_i, cmax, csum, beam_scores, B: int, nb: int, NC: int, to
     out = (tok, scores, beams)
     if nxt:
         out += (torch.empty(B, topk, dtype=torch.long, device=dev), torch.empty(B, topk, dtype=torch.float32, device=dev),
-                torch.empty(B, topk, dtype=torch.long, device=dev))
+                torch.empty(B, topk, dtype=torch.long, device=dev),
+                torch.empty(B, topk, entries, dtype=torch.bool, device=dev))
+    r = cand_v if rows is None else (rows if rows.stride(-1) == 1 and rows.stride(1) == entries
+                                     else rows.contiguous()).view(torch.uint8)
     bs = cand_v if beam_scores is None else beam_scores.float().contiguous()
     _merge_kernel[(B,)](cand_v, cand_i, cmax, csum, bs, tok, scores, beams,
-                        *(out[3:] if nxt else (tok, scores, beams)), nb, NC,
+                        *(out[3:6] if nxt else (tok, scores, beams)), r, out[6].view(torch.uint8) if nxt and entries else tok,
+                        nb, NC, start, entries, r.stride(0) if rows is not None else 0,
                         K=topk, KP=triton.next_power_of_2(topk), NB=triton.next_power_of_2(nb),
                         NCP=triton.next_power_of_2(NC), NCK=triton.next_power_of_2(NC * topk), NEXT=nxt,
-                        HAS_BS=beam_scores is not None, num_warps=merge_warps(nb, NC, topk))
+                        HAS_BS=beam_scores is not None, ROWS=nxt and entries > 0, HAS_ROWS=rows is not None,
+                        EP=max(16, triton.next_power_of_2(entries)), num_warps=merge_warps(nb, NC, topk))
     return out
 
 
 def head_expand(h: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                beam_scores: torch.Tensor | None, topk: int, scale: float = 1.0, *, block: int | None = None):
-    """Same contract as `naive.head_expand` (six outputs): h [B, nb, D] the beams' hidden states
+                beam_scores: torch.Tensor | None, topk: int, scale: float = 1.0, rows: torch.Tensor | None = None,
+                start: int = 0, entries: int = 0, *, block: int | None = None):
+    """Same contract as `naive.head_expand` (seven outputs): h [B, nb, D] the beams' hidden states
     (fp32 or lower precision, D <= MAX_HEAD_WIDTH, nb <= 16), weight [V, D] the LM head (V >= topk),
-    beam_scores None for zeros;
-    block: vocabulary a program scores (default HEAD_CHUNK, read at the call)."""
+    beam_scores None for zeros; block: vocabulary a program scores (default HEAD_CHUNK, read at
+    the call)."""
     block = block or HEAD_CHUNK
     B, nb, D = h.shape
     V = weight.shape[0]
@@ -253,4 +270,4 @@ def head_expand(h: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor
                                 csum, nb, V, D, NC, eps, scale, K=topk, NB=16, BLOCK=block,
                                 BD=triton.next_power_of_2(D),
                                 PREC="ieee" if h.dtype == torch.float32 else "tf32", num_warps=4)
-    return _merge(cand_v, cand_i, cmax, csum, beam_scores, B, nb, NC, topk, nxt=True)
+    return _merge(cand_v, cand_i, cmax, csum, beam_scores, B, nb, NC, topk, True, rows, start, entries)
