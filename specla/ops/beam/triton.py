@@ -16,9 +16,11 @@ The chunks find each pick's value and lowest index in one reduction over packed 
 `head_expand` starts one step earlier, from the beams' hidden states: `_head_chunk_kernel`, one
 program per (batch row, HEAD_CHUNK tokens of the vocabulary), RMS-normalises the row's beams,
 forms their logits for its tokens against that slice of the LM head (`tl.dot`) and reduces them
-as `_chunk_kernel` does, so the logits are never written; `_merge_kernel` follows. A tree's depth
-was four launches on the demo drafter (the norm, cuBLAS's LM head over the beams, the chunks, the
-merge: ~9 µs of GPU time a depth on the H200, tree_shapes_8f57fb9_profile.json); now two.
+as `_chunk_kernel` does, so the logits are never written; `_merge_kernel` follows and also hands
+the rollout its next beams (tokens, scores, parents, ancestor rows). A tree depth was six
+launches on the demo drafter (the norm, cuBLAS's LM head over the beams, the chunks, the merge,
+Inductor's gather and ancestor rows: ~11 µs of GPU time a depth on the H200,
+tree_shapes_8f57fb9_profile.json); now two.
 """
 
 from __future__ import annotations
@@ -153,8 +155,7 @@ def _merge_kernel(cand_v, cand_i, cmax, csum, beam_scores, tok, scores, beams, n
     flat = rows[:, None] * K + kk[None, :]
     for j in tl.static_range(K):
         best = tl.max(tl.max(child, 1), 0)
-        pick = child == best
-        f = tl.min(tl.min(tl.where(pick, flat, BIG), 1), 0)
+        f = tl.min(tl.min(tl.where(child == best, flat, BIG), 1), 0)
         tl.store(beams + b * K + j, f)
         if NEXT:  # the next beam's token, score and parent beam: no gather or division follows the launch
             tl.store(next_tok + b * K + j, tl.sum(tl.sum(tl.where(flat == f, ctok, 0), 1), 0))
