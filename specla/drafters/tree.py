@@ -134,28 +134,13 @@ def beam_search(step, root: torch.Tensor, topk: int, depth: int, tau: float | No
                 src, beam_tok, beam_score = nxt // topk, tok.gather(1, nxt), score.gather(1, nxt)
             else:
                 beam_tok, beam_score, src, rows = (t[:, :width] for t in picked)
-                rows = rows if entries else None
         size += tok.shape[1]
     return tuple(torch.cat(parts, 1) for parts in zip(*pool))
 
 
-def entry_ancestors(prev: torch.Tensor | None, src: torch.Tensor, start: int, entries: int) -> torch.Tensor:
-    """Ancestor-or-self rows [B, m, E] of m new drafter entries start .. start+m-1.
-
-    An entry is the drafter's query for one expanded node; E (`entries`) counts every entry of
-    the rollout. prev [B, m', E] holds the rows of the previous depth's entries (None at the
-    root, which sees itself only), and new entry i extends prev's entry src[:, i]. A new entry
-    sees its parent's ancestors and itself, so one forward over all beams of a depth attends
-    exactly along each beam's own path. Built as values from the previous depth's rows, not
-    written into a buffer of all rows: a compiled rollout then forms them inside the kernel
-    that builds the attention mask (a buffer's slice write was a kernel of its own each depth).
-    """
-    B, m = src.shape
-    own = torch.arange(entries, device=src.device)[None, None] == \
-        (start + torch.arange(m, device=src.device))[None, :, None]
-    if prev is None:
-        return own.expand(B, m, entries)
-    return prev.gather(1, src[:, :, None].expand(B, m, entries)) | own
+# the drafter's attention rows of a depth's entries: the ops reference owns them, since
+# `ops.head_expand` forms the next depth's inside its merge
+entry_ancestors = beam_naive.entry_ancestors
 
 
 def depths(parents: list[int]) -> list[int]:

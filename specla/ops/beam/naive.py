@@ -77,16 +77,33 @@ def head_expand(h: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor
     to make them).
 
     The seventh output, [B, topk, entries] (bool), is the next beams' ancestor-or-self rows over
-    the `entries` queries of an EAGLE rollout (`drafters.tree.entry_ancestors`): next beam j is
+    the `entries` queries of an EAGLE rollout (`entry_ancestors`): next beam j is
     entry start + j and extends the beam whose row is rows[:, src_j] ([B, nb, entries]; None:
     the beams are the root, entry 0, whose row is itself). entries 0: an empty [B, topk, 0]."""
     if beam_scores is None:
         beam_scores = h.new_zeros(h.shape[:2], dtype=accumulation_dtype(h.dtype))
     tok, scores, beams = beam_expand(linear_ref.fused(h, weight, norm_weight, eps), beam_scores, topk, scale)
     src = beams // topk
-    e = torch.arange(entries, device=h.device)
-    if rows is None:
-        rows = (e == 0).expand(h.shape[0], h.shape[1], entries)
-    own = e[None, None] == (start + torch.arange(topk, device=h.device))[None, :, None]
-    next_rows = rows.gather(1, src[:, :, None].expand(-1, -1, entries)) | own
+    if rows is None:  # the root, entry 0
+        rows = entry_ancestors(None, src[:, :1], 0, entries)
+    next_rows = entry_ancestors(rows, src, start, entries)
     return tok, scores, beams, tok.gather(1, beams), scores.gather(1, beams), src, next_rows
+
+
+def entry_ancestors(prev: torch.Tensor | None, src: torch.Tensor, start: int, entries: int) -> torch.Tensor:
+    """Ancestor-or-self rows [B, m, E] of m new drafter entries start .. start+m-1.
+
+    An entry is the drafter's query for one expanded node; E (`entries`) counts every entry of
+    the rollout. prev [B, m', E] holds the rows of the previous depth's entries (None at the
+    root, which sees itself only), and new entry i extends prev's entry src[:, i]. A new entry
+    sees its parent's ancestors and itself, so one forward over all beams of a depth attends
+    exactly along each beam's own path. Built as values from the previous depth's rows, not
+    written into a buffer of all rows: a compiled rollout then forms them inside the kernel
+    that builds the attention mask (a buffer's slice write was a kernel of its own each depth).
+    """
+    B, m = src.shape
+    own = torch.arange(entries, device=src.device)[None, None] == \
+        (start + torch.arange(m, device=src.device))[None, :, None]
+    if prev is None:
+        return own.expand(B, m, entries)
+    return prev.gather(1, src[:, :, None].expand(B, m, entries)) | own
