@@ -50,11 +50,14 @@ SPECIAL = {  # name -> generate() options, for what a name cannot say
     # `head_expand` with 32 / 128 vocabulary tokens a program instead of HEAD_CHUNK (64)
     "tree-k4-d8-n16-hc32": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, head_chunk=32),
     "tree-k4-d8-n16-hc128": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, head_chunk=128),
+    # `head_expand` with bf16 operands straight into its dot (HEAD_DOT = "native")
+    "tree-k4-d8-n16-bf16dot": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, head_dot="native"),
+    "tree-k4-d8-n15-bf16dot": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=15, head_dot="native"),
     # the depth step traced (SPECLA_BEAM_EXPAND=torch) instead of the two-launch op
     "tree-k4-w1-d8-n16-traced": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, tree_width=1,
                                      beam_expand="torch"),
 }
-HEAD_CHUNK = beam_triton.HEAD_CHUNK
+HEAD_CHUNK, HEAD_DOT = beam_triton.HEAD_CHUNK, beam_triton.HEAD_DOT
 CHAIN = re.compile(r"chain(\d+)")
 TREE = re.compile(r"tree-k(\d+)(?:-w(\d+))?-d(\d+)-n(\d+)(?:-t([0-9.]+))?")
 
@@ -107,6 +110,7 @@ def main():
         ops.DRAFT_FUSED = kw.pop("draft_fused", "auto")
         ops.HEAD_EXPAND = kw.pop("head_expand", "auto")
         beam_triton.HEAD_CHUNK = kw.pop("head_chunk", HEAD_CHUNK)
+        beam_triton.HEAD_DOT = kw.pop("head_dot", HEAD_DOT)
         verifier = kw.pop("tree_verifier", "auto")
         if verifier != ops.TREE_VERIFIER:  # read when the target's round is traced: new round graphs
             ops.TREE_VERIFIER = verifier

@@ -86,8 +86,9 @@ def variants(H=8, HV=8, K=256, V=256):
     yield ("beam_expand merge", beam._merge_kernel,
            dict(K=4, KP=4, NB=4, NCP=32, NCK=128, NEXT=False, HAS_BS=True, ROWS=False, HAS_ROWS=False, EP=16), 4)
     # a tree depth from the demo drafter's hidden states (256 wide): norm, head, chunk reductions
-    yield ("head_expand chunk D=256", beam._head_chunk_kernel,
-           dict(K=4, NB=16, BLOCK=beam.HEAD_CHUNK, BD=256, PREC="tf32"), 4)
+    for fp32 in (True, False):
+        yield (f"head_expand chunk D=256 fp32_dot={fp32}", beam._head_chunk_kernel,
+               dict(K=4, NB=16, BLOCK=beam.HEAD_CHUNK, BD=256, PREC="tf32", FP32_DOT=fp32), beam.HEAD_WARPS)
     for nb in (1, 4):  # the root's depth (no beam scores) and a later one
         yield (f"head_expand merge V=8192 nb={nb}", beam._merge_kernel,
                dict(K=4, KP=4, NB=nb, NCP=128, NCK=512, NEXT=True, HAS_BS=nb > 1, ROWS=True, HAS_ROWS=nb > 1, EP=32),

@@ -35,6 +35,8 @@ CHUNK = 1024
 # vocabulary a head-chunk program scores: the demo's 8,192-token head in 128 programs of 32 KiB of
 # weights each (one program per chunk of 1024 would leave the head's read to 8 SMs)
 HEAD_CHUNK = 64
+HEAD_WARPS = 4
+HEAD_DOT = "fp32"  # or "native": bf16 / fp16 operands straight into the dot (an A/B, untimed)
 MAX_HEAD_WIDTH = 1024  # a head-chunk program holds its beams' whole rows (as `ops.linear`'s fused kernels)
 ROW_MAX = 16384  # one program holds a row of up to this many logits (64 KiB of fp32 registers)
 BIG = tl.constexpr(2 ** 31 - 1)  # an index past any vocabulary (a jitted global must be a constexpr)
@@ -83,21 +85,24 @@ def _chunk_kernel(x, cand_v, cand_i, cmax, csum, V, NC, s_row, scale, K: tl.cons
 
 @triton.jit
 def _head_chunk_kernel(h, norm_w, weight, cand_v, cand_i, cmax, csum, nb, V, D, NC, eps, scale,
-                       K: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
+                       K: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
+                       FP32_DOT: tl.constexpr):
     b, c = tl.program_id(0), tl.program_id(1)
     rows = tl.arange(0, NB)
     cols = tl.arange(0, BD)
     offs = c * BLOCK + tl.arange(0, BLOCK)
     mr, mk, live = rows < nb, cols < D, offs < V
     wt = tl.load(weight + offs[:, None].to(tl.int64) * D + cols[None, :], mask=live[:, None] & mk[None, :],
-                 other=0.0).to(tl.float32)
+                 other=0.0)
     xf = tl.load(h + (b * nb + rows)[:, None] * D + cols[None, :], mask=mr[:, None] & mk[None, :],
                  other=0.0).to(tl.float32)
-    # as the modules: the norm's output rounded to h's dtype, the logits to it too. Both operands
-    # in fp32 (PREC tf32 holds bf16 values exactly: the products are exact either way), because
-    # Triton's interpreter computes bf16 dots wrongly (triton 3.7.1)
+    # as the modules: the norm's output rounded to h's dtype, the logits to it too
     xn = _rms_normed(xf, tl.load(norm_w + cols, mask=mk, other=0.0).to(tl.float32), D, eps, h.dtype.element_ty)
-    acc = tl.dot(xn, tl.trans(wt), input_precision=PREC)
+    if FP32_DOT:  # fp32 operands (PREC tf32 holds bf16 values exactly): fp32 models, and the
+        # interpreter, which computes bf16 dots wrongly (triton 3.7.1)
+        acc = tl.dot(xn, tl.trans(wt.to(tl.float32)), input_precision=PREC)
+    else:  # the operands as loaded: the products are exact in fp32 either way
+        acc = tl.dot(xn.to(wt.dtype), tl.trans(wt))
     xv = acc.to(h.dtype.element_ty).to(tl.float32) * scale  # [NB, BLOCK]
     xv = tl.where(live[None, :], xv, float("-inf"))
     m = tl.max(xv, 1)
@@ -143,6 +148,10 @@ def _merge_kernel(cand_v, cand_i, cmax, csum, beam_scores, tok, scores, beams, n
     kk = tl.arange(0, KP)
     child = tl.full([NB, KP], float("-inf"), tl.float32)
     ctok = tl.zeros([NB, KP], tl.int32)
+    if ROWS and HAS_ROWS:  # the beams' rows, requested before the picks: no pick waits on a load
+        e = tl.arange(0, EP)
+        prow = tl.load(prev_rows + b * s_rb + rows[:, None] * E + e[None, :],
+                       mask=live[:, None] & (e < E)[None, :], other=0).to(tl.int32)
     for j in tl.static_range(K):
         mv = tl.max(v, 1)
         mi = tl.min(tl.where(v == mv[:, None], ix, BIG), 1)
@@ -165,7 +174,7 @@ def _merge_kernel(cand_v, cand_i, cmax, csum, beam_scores, tok, scores, beams, n
             # root's depth), and itself
             e = tl.arange(0, EP)
             if HAS_ROWS:
-                row = tl.load(prev_rows + b * s_rb + (f // K) * E + e, mask=e < E, other=0) != 0
+                row = tl.max(tl.where((rows == f // K)[:, None], prow, 0), 0) != 0
             else:
                 row = e == 0
             tl.store(next_rows + (b * K + j) * E + e, (row | (e == start + j)).to(tl.uint8), mask=e < E)
@@ -248,19 +257,22 @@ def _merge(cand_v, cand_i, cmax, csum, beam_scores, B: int, nb: int, NC: int, to
     return out
 
 
-def head_expand(h: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                beam_scores: torch.Tensor | None, topk: int, scale: float = 1.0, rows: torch.Tensor | None = None,
-                start: int = 0, entries: int = 0, *, block: int | None = None):
-    """Same contract as `naive.head_expand` (seven outputs): h [B, nb, D] the beams' hidden states
-    (fp32 or lower precision, D <= MAX_HEAD_WIDTH, nb <= 16), weight [V, D] the LM head (V >= topk),
-    beam_scores None for zeros; block: vocabulary a program scores (default HEAD_CHUNK, read at
-    the call)."""
+def head_chunks(h: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float, topk: int,
+                scale: float = 1.0, *, block: int | None = None, num_warps: int | None = None,
+                fp32_dot: bool | None = None):
+    """`head_expand`'s first launch: each (batch row, `block` tokens of the vocabulary)'s top-k
+    candidates of every beam and their max and sum of exponentials, (cand_v, cand_i, cmax, csum).
+    block, num_warps: default HEAD_CHUNK and HEAD_WARPS, read at the call; fp32_dot: the
+    operands in fp32 (default: on fp32 or mixed inputs and off the GPU, HEAD_DOT == "fp32")."""
     block = block or HEAD_CHUNK
     B, nb, D = h.shape
     V = weight.shape[0]
     if D > MAX_HEAD_WIDTH or nb > 16 or weight.shape[1] != D:
         raise ValueError(f"head_expand takes up to 16 beams of at most {MAX_HEAD_WIDTH} values and a [V, D] head, "
                          f"got h {tuple(h.shape)}, weight {tuple(weight.shape)}")
+    if fp32_dot is None:
+        fp32_dot = (HEAD_DOT == "fp32" or h.device.type != "cuda" or h.dtype == torch.float32
+                    or weight.dtype != h.dtype)
     NC = triton.cdiv(V, block)
     dev = h.device
     cand_v = torch.empty(B * nb, NC, topk, dtype=torch.float32, device=dev)
@@ -269,6 +281,17 @@ def head_expand(h: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor
     csum = torch.empty_like(cmax)
     _head_chunk_kernel[(B, NC)](h.contiguous(), norm_weight.contiguous(), weight.contiguous(), cand_v, cand_i, cmax,
                                 csum, nb, V, D, NC, eps, scale, K=topk, NB=16, BLOCK=block,
-                                BD=triton.next_power_of_2(D),
-                                PREC="ieee" if h.dtype == torch.float32 else "tf32", num_warps=4)
-    return _merge(cand_v, cand_i, cmax, csum, beam_scores, B, nb, NC, topk, True, rows, start, entries)
+                                BD=triton.next_power_of_2(D), PREC="ieee" if h.dtype == torch.float32 else "tf32",
+                                FP32_DOT=fp32_dot, num_warps=num_warps or HEAD_WARPS)
+    return cand_v, cand_i, cmax, csum
+
+
+def head_expand(h: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                beam_scores: torch.Tensor | None, topk: int, scale: float = 1.0, rows: torch.Tensor | None = None,
+                start: int = 0, entries: int = 0, **tiling):
+    """Same contract as `naive.head_expand` (seven outputs): h [B, nb, D] the beams' hidden states
+    (fp32 or lower precision, D <= MAX_HEAD_WIDTH, nb <= 16), weight [V, D] the LM head (V >= topk),
+    beam_scores None for zeros; tiling: `head_chunks`'s keywords."""
+    B, nb, _ = h.shape
+    cand_v, cand_i, cmax, csum = head_chunks(h, weight, norm_weight, eps, topk, scale, **tiling)
+    return _merge(cand_v, cand_i, cmax, csum, beam_scores, B, nb, cand_v.shape[1], topk, True, rows, start, entries)
