@@ -29,6 +29,7 @@ from specla.bench.common import environment, warm_set
 from specla.bench.e2e import bootstrap_ratio
 from specla.data.suites import load_gsm8k_train, load_suite
 from specla.ops.beam import triton as beam_triton
+from specla.ops.gdn import paths as gdn_paths
 from specla.train.drafter import held_out_gsm8k
 
 # plain shapes are read from their names (`shape_options`): chainL (L-token chains) and
@@ -53,11 +54,14 @@ SPECIAL = {  # name -> generate() options, for what a name cannot say
     # `head_expand` with bf16 operands straight into its dot (HEAD_DOT = "native")
     "tree-k4-d8-n16-bf16dot": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, head_dot="native"),
     "tree-k4-d8-n15-bf16dot": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=15, head_dot="native"),
+    # every path row's program takes its tile before the PDL wait (paths.EARLY as before 2026-12-07)
+    "tree-k4-d8-n16-allearly": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, paths_early=1 << 30),
     # the depth step traced (SPECLA_BEAM_EXPAND=torch) instead of the two-launch op
     "tree-k4-w1-d8-n16-traced": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, tree_width=1,
                                      beam_expand="torch"),
 }
 HEAD_CHUNK, HEAD_DOT = beam_triton.HEAD_CHUNK, beam_triton.HEAD_DOT
+PATHS_EARLY = gdn_paths.EARLY
 CHAIN = re.compile(r"chain(\d+)")
 TREE = re.compile(r"tree-k(\d+)(?:-w(\d+))?-d(\d+)-n(\d+)(?:-t([0-9.]+))?")
 
@@ -112,8 +116,9 @@ def main():
         beam_triton.HEAD_CHUNK = kw.pop("head_chunk", HEAD_CHUNK)
         beam_triton.HEAD_DOT = kw.pop("head_dot", HEAD_DOT)
         verifier = kw.pop("tree_verifier", "auto")
-        if verifier != ops.TREE_VERIFIER:  # read when the target's round is traced: new round graphs
-            ops.TREE_VERIFIER = verifier
+        early = kw.pop("paths_early", PATHS_EARLY)
+        if verifier != ops.TREE_VERIFIER or early != gdn_paths.EARLY:  # read when the target's round
+            ops.TREE_VERIFIER, gdn_paths.EARLY = verifier, early  # is captured: new round graphs
             lm._targets.clear()
         lm._drafters.clear()  # a fresh drafter per shape: the same options may trace another step
         for text in warm:  # compile, capture every attention window's graphs

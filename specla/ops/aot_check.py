@@ -55,7 +55,8 @@ def variants(H=8, HV=8, K=256, V=256):
                 yield (f"verify[{kind}{f'+pending{PP}' if pending else ''}] BV={BV} w={warps}", serial.tree_verify_kernel,
                        dict(H=H, HV=HV, K=K, V=V, BK=K, BV=BV, NV=V // BV, NP=64, PP=PP, TREE=tree, HYBRID=hybrid,
                             PATHS=paths, HAS_PENDING=pending, STORE_U=not final, WRITE_FINAL=final,
-                            HAS_VALID=paths or not tree and not hybrid and not final, PDL=not hybrid), warps)
+                            HAS_VALID=paths or not tree and not hybrid and not final, PDL=not hybrid,
+                            EARLY=8), warps)
     for NT, (BV, KW, BKC, warps, solve_warps) in list(parallel.TILINGS.items()) + list(parallel.SWEEP):
         tiling = f"NT={NT} BV={BV} KW={KW} BK={BKC}"
         for pending in (False, True):

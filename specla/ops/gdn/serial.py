@@ -119,6 +119,7 @@ def tree_verify_kernel(
     BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, NP: tl.constexpr, PP: tl.constexpr,
     TREE: tl.constexpr, HYBRID: tl.constexpr, PATHS: tl.constexpr, HAS_PENDING: tl.constexpr,
     STORE_U: tl.constexpr, WRITE_FINAL: tl.constexpr, HAS_VALID: tl.constexpr, PDL: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
     """TREE=False: nodes form a chain (parents ignored). TREE, not HYBRID: all n nodes in one
     program per tile (serial verifier), in the order chain_nodes[b] with the visited nodes'
@@ -180,11 +181,21 @@ def tree_verify_kernel(
         # loaded and advanced (and flushed, but by the paths) while the prelude still writes the
         # inputs. A path program advances its own copy, walking or not (its path's length is read
         # after the wait); the write-back stays with the last walking program (below)
-        S = _durable_tile(p_S, m_S, b, hv, i_h, pk, pg, pu, plen, P, o_k, mk, o_v, mv, H, HV, K, V, PP,
-                          HAS_PENDING, FLUSH=not PATHS)
+        if PATHS:  # only the first EARLY table rows take their tile before the wait: past them a
+            # row rarely holds a leaf (paths.EARLY), and one that does takes it after the wait
+            S = tl.zeros([BK, BV], dtype=tl.float32)
+            if c < EARLY:
+                S = _durable_tile(p_S, m_S, b, hv, i_h, pk, pg, pu, plen, P, o_k, mk, o_v, mv, H, HV, K, V, PP,
+                                  HAS_PENDING, FLUSH=False)
+        else:
+            S = _durable_tile(p_S, m_S, b, hv, i_h, pk, pg, pu, plen, P, o_k, mk, o_v, mv, H, HV, K, V, PP,
+                              HAS_PENDING)
         wait_previous(PDL)
         if PATHS:
             L, leaves, real, node_next = _path_row(chain_len, n_chains, valid, p_tab, b, c, n, HAS_VALID)
+            if (c >= EARLY) & (L > 0):
+                S = _durable_tile(p_S, m_S, b, hv, i_h, pk, pg, pu, plen, P, o_k, mk, o_v, mv, H, HV, K, V, PP,
+                                  HAS_PENDING, FLUSH=False)
     # without PDL the first node's inputs are requested before the state tile, so both loads overlap
     p_q = q + b.to(tl.int64) * s_qb + i_h * K + o_k
     p_k = k + b.to(tl.int64) * s_kb + i_h * K + o_k
@@ -331,9 +342,10 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def launch(q, k, v, g, beta, state, parents, scale, pending, *, grid, tree, hybrid=None, paths=None,
-           store_u=True, write_final=False, valid=None, block_v, num_warps):
+           store_u=True, write_final=False, valid=None, block_v, num_warps, early: int = 1 << 30):
     """Allocate outputs and run `tree_verify_kernel`; returns (o, u). paths: (table, length,
-    leaves, counters) for the path-per-program mode (paths.py, `schedule.path_tables`)."""
+    leaves, counters) for the path-per-program mode (paths.py, `schedule.path_tables`); early:
+    the path rows that take their tile before the wait (`paths.EARLY`)."""
     B, n, HV, V = v.shape
     H, K = k.shape[2], k.shape[3]
     dev = state.device
@@ -365,7 +377,7 @@ def launch(q, k, v, g, beta, state, parents, scale, pending, *, grid, tree, hybr
         NP=triton.next_power_of_2(n) if tree else 1, PP=PP, TREE=tree and paths is None,
         HYBRID=hybrid is not None, PATHS=paths is not None,
         HAS_PENDING=has_pending, STORE_U=store_u, WRITE_FINAL=write_final, HAS_VALID=valid is not None,
-        num_warps=num_warps, **pdl_options)
+        EARLY=early, num_warps=num_warps, **pdl_options)
     return o, u
 
 
