@@ -642,3 +642,31 @@ def test_parallel_widest_block_and_padding(poison):
         close(u, ru, "u")
         close(S_out, S_ref, "state")
         assert not o[1, 20:].any() and not u[1, 20:].any()
+
+
+@pytest.mark.parametrize("early", [0, 2, 1 << 30])
+def test_paths_pdl_form_computes_the_same_bits(monkeypatch, early, poison):
+    """The path verifier's PDL form (`ops.pdl`; the interpreter runs it with the wait as a no-op,
+    one program after another): the first `paths.EARLY` table rows advance their tile before
+    the wait, the rest after it if they walk; the bits, the write-back and the zeroed counters
+    are the serial pass's, whether every row, some or none goes first (trees of 5-8 leaves)."""
+    from specla.ops import pdl
+
+    B, n, H, HV, K, V = 2, 12, 1, 2, 16, 32
+    par = torch.tensor([parents_of("star", n, 5), parents_of("bushy", n, 6)])
+    q, k, v, g, beta, S = inputs(B, n, H, HV, K, V, 9)
+    pend = pending_of(B, 2, H, HV, K, V, 9)
+    pend = pend[:3] + (torch.tensor([2, 1]),)
+    S_serial, S_paths = S.clone(), S.clone()
+    so, su = serial.gdn_tree_verify(q, k, v, g, beta, S_serial, par, 0.25, pend, block_v=16)
+    noop = lambda *a, **kw: None  # noqa: E731
+    monkeypatch.setattr(pdl, "gdc_wait", noop)
+    monkeypatch.setattr(pdl, "gdc_launch_dependents", noop)
+    monkeypatch.setattr(pdl, "launch_options", lambda device, allowed=True: {"PDL": allowed})
+    monkeypatch.setattr(paths, "EARLY", early)
+    po, pu = paths.gdn_tree_verify(q, k, v, g, beta, S_paths, par, 0.25, pend, block_v=16)
+    leaves = [n - len(set(p[1:].tolist())) for p in par]
+    assert min(leaves) > 2  # rows past EARLY = 2 walk
+    assert torch.equal(po, so) and torch.equal(pu, su) and torch.equal(S_paths, S_serial)
+    assert not torch.equal(S_paths, S)
+    assert not counters.zeroed(S.device, 1).any()
