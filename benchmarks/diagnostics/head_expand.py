@@ -44,7 +44,7 @@ def main():
     nw = (1 + 0.1 * torch.randn(D, device=dev, generator=g)).to(dt)
     out = []
 
-    def time(nb, name, fn, **extra):
+    def timed(nb, name, fn, **extra):
         fn()  # compile outside the graph
         us = 1e3 * graph_time_ms(lambda: [fn() for _ in range(CALLS)], True) / CALLS
         out.append({"nb": nb, "variant": name, "us": us, **extra})
@@ -57,8 +57,8 @@ def main():
         start = 1 if nb == 1 else 5
         zeros = torch.zeros(1, nb, device=dev)
         if nb == 1:
-            time(nb, "chain head (fused + argmax)", lambda: linear_triton.fused(h, w, nw, 1e-6).argmax(-1))
-        time(nb, "modules (fused + beam_expand)",
+            timed(nb, "chain head (fused + argmax)", lambda: linear_triton.fused(h, w, nw, 1e-6).argmax(-1))
+        timed(nb, "modules (fused + beam_expand)",
              lambda: beam_triton.beam_expand(linear_triton.fused(h, w, nw, 1e-6), zeros if scores is None else scores, K))
         want = beam_triton.head_expand(h, w, nw, 1e-6, scores, K, 1.0, rows, start, ENTRIES)
         for block in (int(x) for x in a.blocks.split(",")):
@@ -68,9 +68,9 @@ def main():
                     got = beam_triton.head_expand(h, w, nw, 1e-6, scores, K, 1.0, rows, start, ENTRIES, **kw)
                     equal = all(torch.equal(x, y) for x, y in zip(got[:1] + got[2:4], want[:1] + want[2:4]))
                     tag = f"block={block} warps={warps} {'fp32' if fp32 else 'bf16'} dot"
-                    time(nb, f"head_expand {tag}", lambda kw=kw: beam_triton.head_expand(
+                    timed(nb, f"head_expand {tag}", lambda kw=kw: beam_triton.head_expand(
                         h, w, nw, 1e-6, scores, K, 1.0, rows, start, ENTRIES, **kw), part="total", equal=equal, **kw)
-                    time(nb, f"chunks {tag}", lambda kw=kw: beam_triton.head_chunks(h, w, nw, 1e-6, K, 1.0, **kw),
+                    timed(nb, f"chunks {tag}", lambda kw=kw: beam_triton.head_chunks(h, w, nw, 1e-6, K, 1.0, **kw),
                          part="chunks", **kw)
     for nb in (1, 4):
         tot = [r for r in out if r["nb"] == nb and r.get("part") == "total"]

@@ -148,8 +148,9 @@ def _merge_kernel(cand_v, cand_i, cmax, csum, beam_scores, tok, scores, beams, n
     kk = tl.arange(0, KP)
     child = tl.full([NB, KP], float("-inf"), tl.float32)
     ctok = tl.zeros([NB, KP], tl.int32)
-    if ROWS and HAS_ROWS:  # the beams' rows, requested before the picks: no pick waits on a load
+    if ROWS:
         e = tl.arange(0, EP)
+    if ROWS and HAS_ROWS:  # the beams' rows, requested before the picks: no pick waits on a load
         prow = tl.load(prev_rows + b * s_rb + rows[:, None] * E + e[None, :],
                        mask=live[:, None] & (e < E)[None, :], other=0).to(tl.int32)
     for j in tl.static_range(K):
@@ -172,7 +173,6 @@ def _merge_kernel(cand_v, cand_i, cmax, csum, beam_scores, tok, scores, beams, n
             tl.store(next_src + b * K + j, f // K)
         if ROWS:  # the next entry's ancestor-or-self row: its parent entry's (the root's at the
             # root's depth), and itself
-            e = tl.arange(0, EP)
             if HAS_ROWS:
                 row = tl.max(tl.where((rows == f // K)[:, None], prow, 0), 0) != 0
             else:

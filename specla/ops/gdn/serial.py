@@ -179,17 +179,14 @@ def tree_verify_kernel(
 
     if PDL:  # (not the hybrid) the durable tile and its pending update are this layer's own:
         # loaded and advanced (and flushed, but by the paths) while the prelude still writes the
-        # inputs. A path program advances its own copy, walking or not (its path's length is read
-        # after the wait); the write-back stays with the last walking program (below)
-        if PATHS:  # only the first EARLY table rows take their tile before the wait: past them a
-            # row rarely holds a leaf (paths.EARLY), and one that does takes it after the wait
-            S = tl.zeros([BK, BV], dtype=tl.float32)
-            if c < EARLY:
-                S = _durable_tile(p_S, m_S, b, hv, i_h, pk, pg, pu, plen, P, o_k, mk, o_v, mv, H, HV, K, V, PP,
-                                  HAS_PENDING, FLUSH=False)
-        else:
+        # inputs. In path mode only the first EARLY table rows do so, walking or not: past them
+        # a row rarely holds a leaf (paths.EARLY), and one that does takes its tile after the
+        # wait (its path's length is read after it). The write-back stays with the last walking
+        # program (below). Outside path mode c is 0: every program goes first
+        S = tl.zeros([BK, BV], dtype=tl.float32)
+        if c < EARLY:
             S = _durable_tile(p_S, m_S, b, hv, i_h, pk, pg, pu, plen, P, o_k, mk, o_v, mv, H, HV, K, V, PP,
-                              HAS_PENDING)
+                              HAS_PENDING, FLUSH=not PATHS)
         wait_previous(PDL)
         if PATHS:
             L, leaves, real, node_next = _path_row(chain_len, n_chains, valid, p_tab, b, c, n, HAS_VALID)
