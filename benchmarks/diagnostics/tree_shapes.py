@@ -144,6 +144,8 @@ def main():
             row["profile"] = profile(lm, prompts[0][2], a.max_new_tokens, kw)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "profile"}))
+        if a.out:  # after every shape: a run cut by its time limit keeps the shapes it finished
+            save(a, rows)
     print(f"\n{'shape':18s} {'ms/tok':>7s} {'tok/round':>9s} {'ms/round':>8s} {'x ar':>6s} {'x chain8':>18s} {'=ar':>5s} "
           f"{'=chain8':>7s}")
     ran_ar = any(r["shape"] == "ar" for r in rows)
@@ -160,12 +162,15 @@ def main():
     if not ran_ar:
         print("(AR did not run: no speed over AR)")
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump({**environment(), "n_prompts_per_suite": a.n_prompts,
-                       "prompts": f"held-out GSM8K training questions {held_out_gsm8k()[:a.held_out]}" if a.held_out
-                       else "the first n_prompts_per_suite of mixed, gsm8k, humaneval", "max_new_tokens": a.max_new_tokens,
-                       "rows": rows}, f, indent=1)
         plot(rows, a.out.removesuffix(".json") + ".png")
+
+
+def save(a, rows: list[dict]) -> None:
+    with open(a.out, "w") as f:
+        json.dump({**environment(), "n_prompts_per_suite": a.n_prompts,
+                   "prompts": f"held-out GSM8K training questions {held_out_gsm8k()[:a.held_out]}" if a.held_out
+                   else "the first n_prompts_per_suite of mixed, gsm8k, humaneval", "max_new_tokens": a.max_new_tokens,
+                   "rows": rows}, f, indent=1)
 
 
 def profile(lm, prompt, max_new_tokens: int, kw: dict) -> dict:
