@@ -51,9 +51,8 @@ SPECIAL = {  # name -> generate() options, for what a name cannot say
     # `head_expand` with 32 / 128 vocabulary tokens a program instead of HEAD_CHUNK (64)
     "tree-k4-d8-n16-hc32": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, head_chunk=32),
     "tree-k4-d8-n16-hc128": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, head_chunk=128),
-    # `head_expand` with bf16 operands straight into its dot (HEAD_DOT = "native")
-    "tree-k4-d8-n16-bf16dot": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, head_dot="native"),
-    "tree-k4-d8-n15-bf16dot": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=15, head_dot="native"),
+    # `head_expand` with its dot's operands widened to fp32 (HEAD_DOT = "fp32", the default until b964ef6)
+    "tree-k4-d8-n16-fp32dot": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, head_dot="fp32"),
     # every path row's program takes its tile before the PDL wait (paths.EARLY as before 2026-12-07)
     "tree-k4-d8-n16-allearly": dict(route="tree", tree_topk=4, tree_depth=8, tree_budget=16, paths_early=1 << 30),
     # the depth step traced (SPECLA_BEAM_EXPAND=torch) instead of the two-launch op

@@ -36,7 +36,9 @@ CHUNK = 1024
 # weights each (one program per chunk of 1024 would leave the head's read to 8 SMs)
 HEAD_CHUNK = 64
 HEAD_WARPS = 4
-HEAD_DOT = "fp32"  # or "native": bf16 / fp16 operands straight into the dot (an A/B, untimed)
+# "native": bf16 / fp16 operands straight into the dot (H100, b964ef6: 10.6 against 11.1 µs a
+# 4-beam depth, the same outputs); "fp32": the operands widened first
+HEAD_DOT = "native"
 MAX_HEAD_WIDTH = 1024  # a head-chunk program holds its beams' whole rows (as `ops.linear`'s fused kernels)
 ROW_MAX = 16384  # one program holds a row of up to this many logits (64 KiB of fp32 registers)
 BIG = tl.constexpr(2 ** 31 - 1)  # an index past any vocabulary (a jitted global must be a constexpr)
