@@ -29,7 +29,10 @@ What it found (`tree_policy_*_cpu.json`): the fitted acceptance model keeps wors
 the rollout proposes (116) would accept 7.35 tokens a round, 1.27x the 8-token chain's 5.78 —
 selection cannot reach the drafter issue's 1.3x there; depth 12 does (7.72 with the route's own
 rule, 1.34x). Wider rollouts (--topk 8, --width 8; `tree_width_56692d7_cpu.json`) raise that
-bound (7.73 at depth 8) but not what 16 nodes chosen by q accept (6.64-6.65). CPU, fp32:
+bound (7.73 at depth 8) but not what 16 nodes chosen by q accept (6.64-6.65). `--adaptive`
+replays a depth chosen each round from an earlier round's report (`tree_adaptive_*_cpu.json`:
+depth 10 after a round that accepted >= 7, else 6, read two rounds late as the pipelined loop
+would, accepts 6.92 tokens a round at an estimated 3.8% less time a token than depth 8). CPU, fp32:
 
     python benchmarks/diagnostics/tree_policy.py [--n-prompts 60] [--topk 4 --width 4] [--out FILE]
 """
@@ -98,6 +101,25 @@ def replay(pools, keep) -> tuple[int, int]:
         if t >= len(pools):
             break
     return min(tokens, new), rounds
+
+
+def replay_adaptive(pools, keep_at, choose, lag: int) -> tuple[int, list[int]]:
+    """(tokens, each round's depth) of the decode loop when a round's depth is `choose(report)`,
+    report = (accepted, depth) of the round `lag` rounds before (None at the start): the
+    pipelined loop reads a round's report while the next one runs, so it decides with lag 2."""
+    new = len(pools)
+    t = tokens = 0
+    hist: list[tuple[int, int]] = []
+    while tokens < new:
+        D = choose(hist[-lag] if len(hist) >= lag else None)
+        kept = keep_at(pools[t], D)
+        a = int(pools[t][3][kept].sum()) if len(kept) else 0
+        tokens += a + 1
+        hist.append((a, D))
+        t += a + 1
+        if t >= len(pools):
+            break
+    return min(tokens, new), [d for _, d in hist]
 
 
 def by_score(score: torch.Tensor, par: torch.Tensor, depth: torch.Tensor, budget: int, max_depth: int):
@@ -171,6 +193,13 @@ def main():
     ap.add_argument("--width", type=int, default=4, help="beams kept a depth (<= topk)")
     ap.add_argument("--rollout-depth", type=int, default=12, help="the rollout's depth (>= every --depths)")
     ap.add_argument("--no-calibrated", action="store_true", help="skip the fitted acceptance model")
+    ap.add_argument("--adaptive", default="",
+                    help="also choose each round's depth from the report `lag` rounds before: LO/HI/A/LAG items "
+                         "(comma-separated) take depth HI after a round that accepted >= min(A, its depth) "
+                         "tokens, else LO; rows add ms_per_token under --depth-cost")
+    ap.add_argument("--depth-cost", default="0.749,0.040",
+                    help="a round's ms at depth 8 and per depth more or less (H100, b964ef6: 0.755 ms busy "
+                         "at depth 8, 0.858 at 10), for --adaptive and the fixed depths")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     TOPK, WIDTH, DEPTH = a.topk, a.width, a.rollout_depth
@@ -219,6 +248,23 @@ def main():
             run("calibrated", [calibrated_keep(m, depth, a.budget, D, TOPK) for m in models], depth=D, budget=a.budget)
         every = (lambda pool, D=D: torch.nonzero(depth <= D)[:, 0])
         run("oracle", (every, every), depth=D, budget=None)
+    base, per = (float(x) for x in a.depth_cost.split(","))
+
+    def keep_at(pool, D):
+        return by_score(pool[2], pool[1], depth, a.budget, D)
+
+    for item in (x for x in a.adaptive.split(",") if x):
+        lo, hi, acc, lag = (int(x) for x in item.split("/"))
+        tokens, used = 0, []
+        for pools in all_pools:
+            tk, ds = replay_adaptive(pools, keep_at, lambda rep: hi if rep and rep[0] >= min(acc, rep[1]) else lo, lag)
+            tokens, used = tokens + tk, used + ds
+        ms = sum(base + per * (d - 8) for d in used)
+        rows.append({"policy": f"q@{T_ROLL}, depth {hi} after >= {acc} accepted, else {lo}", "lag": lag,
+                     "budget": a.budget, "tokens_per_round": tokens / len(used),
+                     "share_deep": sum(d == hi for d in used) / len(used), "ms_per_token": ms / tokens,
+                     "depth_cost": [base, per]})
+        print(json.dumps(rows[-1]), flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump({**environment(), "prompts": f"GSM8K train questions left out of the drafter's data: {picked}",
