@@ -30,6 +30,25 @@ from specla.topology import as_parents
 DEMO_DIR = Path(__file__).parent / "models" / "demo"
 ROUTES = ("ar", "chain", "tree", "fla", "mtp", "dspark", "ready")
 DRAFTERS = ("auto", "eagle", "ngram")
+
+
+def parse_tree_depth(text: str) -> int | tuple[int, int]:
+    """A tree depth as the command line gives it: N (every round's rollout N deep) or
+    SHALLOW:DEEP (each round's depth chosen from the last round report read,
+    `drafters.tree.DepthPolicy`)."""
+    try:
+        parts = [int(x) for x in str(text).split(":")]
+    except ValueError:
+        parts = []
+    if len(parts) == 1:
+        return parts[0]
+    if len(parts) == 2:
+        return parts[0], parts[1]
+    raise InputError(f"tree depth {text!r}: expected N or SHALLOW:DEEP (e.g. 8 or 6:10)")
+
+
+def _depths(tree_depth) -> tuple[int, ...]:
+    return tuple(tree_depth) if isinstance(tree_depth, (tuple, list)) else (tree_depth,)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64, "fp64": torch.float64}
 
@@ -144,17 +163,19 @@ class SpecLA:
 
     # drafters -------------------------------------------------------------------------------
     def drafter(self, route: str, chain_length: int = 8, tree_topk: int = 4, tree_budget: int = 16,
-                tree_depth: int = 8, tree_tau: float | None = None, drafter: str = "auto",
+                tree_depth: int | tuple[int, int] = 8, tree_tau: float | None = None, drafter: str = "auto",
                 tree_width: int | None = None, tree_temperature: float | None = None) -> Drafter | None:
         """The drafter serving a route: the checkpoint's trained EAGLE drafter (`<model>/drafter/`)
         when there is one and `drafter` is not "ngram", else prompt lookup. tree_width: the trained
         drafter's beams kept a depth (default tree_topk); tree_temperature: of its distribution in
-        the tree scores (default `eagle.TREE_TEMPERATURE`)."""
+        the tree scores (default `eagle.TREE_TEMPERATURE`); tree_depth (shallow, deep): the trained
+        drafter's rollout depth chosen each round from the last round report read
+        (`drafters.tree.DepthPolicy`)."""
         if route not in ROUTES:
             raise InputError(f"unknown route {route!r}; choose one of {', '.join(ROUTES)}")
         if drafter not in DRAFTERS:
             raise InputError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
-        if chain_length < 1 or tree_topk < 1 or tree_budget < 1 or tree_depth < 1:
+        if chain_length < 1 or tree_topk < 1 or tree_budget < 1 or min(_depths(tree_depth)) < 1:
             raise InputError("chain length, tree top-k, depth and budget must be positive")
         if route == "ar":
             return None
@@ -205,7 +226,8 @@ class SpecLA:
     # generation -----------------------------------------------------------------------------
     def generate(self, prompt, route: str = "chain", max_new_tokens: int = 128, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, chat: bool | None = None, chain_length: int = 8,
-                 tree_topk: int = 4, tree_budget: int = 16, tree_depth: int = 8, tree_tau: float | None = None,
+                 tree_topk: int = 4, tree_budget: int = 16, tree_depth: int | tuple[int, int] = 8,
+                 tree_tau: float | None = None,
                  drafter: str = "auto", delayed: bool = True, on_text=None, pipeline: bool = True,
                  exact: bool = False, tree_width: int | None = None,
                  tree_temperature: float | None = None) -> Generation:
@@ -213,6 +235,7 @@ class SpecLA:
         AR steps too), so every route's output is bit-identical to exact-mode `ar` in any
         precision, at the cost of a slower AR step (docs/exact.md)."""
         ids = self.encode_prompt(prompt, chat)
+        tree_depth = tuple(tree_depth) if isinstance(tree_depth, list) else tree_depth  # a key of served drafters
         served = self.served_drafter(route, chain_length, tree_topk, tree_budget, tree_depth, tree_tau, drafter,
                                      tree_width, tree_temperature)
         decoder = Decoder(self.model, served, route, targets=self._targets,

@@ -53,10 +53,11 @@ def generate(
     chain_length: int = typer.Option(8, "--chain-length", help="Draft tokens per chain round."),
     tree_topk: int = typer.Option(4, "--tree-topk", help="Children per node in draft trees."),
     tree_budget: int = typer.Option(16, "--tree-budget", help="Draft nodes per tree round."),
-    tree_depth: int = typer.Option(8, "--tree-depth", help="Deepest draft-tree level (trained drafter); "
+    tree_depth: str = typer.Option("8", "--tree-depth", help="Deepest draft-tree level (trained drafter); "
                                    "8 matches the chain length. Deeper trees accept more a round (demo pair, held-out "
                                    "prompts, CPU: 6.65 tokens at 8, 7.33 at 10, 7.72 at 12) for one drafter "
-                                   "forward a level."),
+                                   "forward a level. SHALLOW:DEEP (e.g. 6:10): each round DEEP after a round "
+                                   "that accepted at least SHALLOW drafts, else SHALLOW."),
     tree_width: Optional[int] = typer.Option(None, "--tree-width", help="Beams kept a draft-tree depth (trained "
                                              "drafter; default: the top-k). 1: a chain with each depth's "
                                              "runners-up as leaves."),
@@ -87,10 +88,12 @@ def generate(
         raise SpeclaError(f"--max-new-tokens must be positive, got {max_new_tokens}")
     if route not in api.ROUTES:
         raise SpeclaError(f"unknown route {route!r}; choose one of {', '.join(api.ROUTES)}")
+    depth = api.parse_tree_depth(tree_depth)
     lm = api.load(model, device=device, dtype=dtype, compile=compile)
     kwargs = dict(route=route, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                   chat=False if raw else None, chain_length=chain_length, tree_topk=tree_topk,
-                  tree_budget=tree_budget, tree_depth=tree_depth, tree_tau=tree_tau, tree_width=tree_width,
+                  tree_budget=tree_budget, tree_depth=depth, tree_tau=tree_tau,
+                  tree_width=tree_width,
                   tree_temperature=tree_temperature, drafter=drafter, delayed=not immediate_commit, exact=exact)
     if as_json:
         typer.echo(json.dumps(lm.generate(prompt, **kwargs).to_dict()))
@@ -144,13 +147,15 @@ def bench_e2e(
     summary_only: bool = typer.Option(False, "--summary-only", help="Only summarise the records found."),
     compile: Optional[str] = typer.Option(None, "--compile", help="default | max-autotune: the fused decode path "
                                           "(SPECLA_COMPILE=1 does the same)."),
-    tree_depth: int = typer.Option(8, "--tree-depth", help="The tree route's deepest level (top-4 beams); a run "
-                                   "resumes only with the options it began with."),
+    tree_depth: str = typer.Option("8", "--tree-depth", help="The tree route's deepest level (top-4 beams), or "
+                                   "SHALLOW:DEEP, a depth chosen each round; a run resumes only with the options "
+                                   "it began with."),
     tree_budget: int = typer.Option(16, "--tree-budget", help="The tree route's draft nodes (verified with the "
                                     "root: budget + 1 rows)."),
     out: Path = typer.Option(Path("benchmarks/results")),
 ):
     """End-to-end speedup, accepted length, first-token match and exact match on real prompts (Fig 9)."""
+    from specla.api import parse_tree_depth
     from specla.bench.e2e import ROUTES, run
 
     bad = sorted(set(routes.split(",")) - set(ROUTES))
@@ -164,7 +169,7 @@ def bench_e2e(
         raise InputError(f"--shard {shard!r}: expected K/N with 0 <= K < N") from None
     run(model, tuple(suites.split(",")), tuple(routes.split(",")), limit=limit, fla_limit=fla_limit,
         max_new_tokens=max_new_tokens, device=device, dtype=dtype, out_dir=out, name=name, max_minutes=max_minutes,
-        shard=(k, n), summary_only=summary_only, compile=compile, tree_depth=tree_depth,
+        shard=(k, n), summary_only=summary_only, compile=compile, tree_depth=parse_tree_depth(tree_depth),
         tree_budget=tree_budget)
 
 

@@ -283,6 +283,8 @@ class Decoder:
                 result.rounds.append(RoundStats(drafted, length - 1, count, None if first < 0 else first == top))
                 if on_tokens is not None and toks:
                     on_tokens(toks)
+        if self.drafter is not None:
+            self.drafter.observe([row[1] - 1 for row in rows])
         return all(row[H - 1] for row in rows)
 
     def _target(self, batch: int, max_len: int):

@@ -223,6 +223,10 @@ def test_e2e_tree_depth_is_recorded_and_kept_on_resume(tmp_path):
     with pytest.raises(InputError, match="--name"):
         e2e.run(**kw)  # the default depth, 8
     assert e2e.run(**kw, summary_only=True)["route_options"]["tree"]["tree_depth"] == 3
+    # an adaptive depth (a tuple, a list once in JSON) resumes its own records
+    kw["out_dir"] = tmp_path / "adaptive"
+    assert e2e.run(**kw, tree_depth=(2, 4))["route_options"]["tree"]["tree_depth"] == [2, 4]
+    assert e2e.run(**kw, tree_depth=(2, 4))["suites"]["gsm8k"]["tree"]["prompts"] == 1
 
 
 def test_e2e_on_a_file_of_prompts(tmp_path):
@@ -683,11 +687,13 @@ def test_tree_shapes_reads_shapes_from_names():
     assert mod.shape_options("chain10") == dict(route="chain", chain_length=10)
     assert mod.shape_options("tree-k8-w2-d12-n15-t0.7") == dict(route="tree", tree_topk=8, tree_depth=12,
                                                                 tree_budget=15, tree_width=2, tree_temperature=0.7)
+    assert mod.shape_options("tree-k4-d6to10-n16") == dict(route="tree", tree_topk=4, tree_depth=(6, 10),
+                                                           tree_budget=16)
     with pytest.raises(SystemExit, match="unknown shape 'tree-k4-d8'"):
         mod.shape_options("tree-k4-d8")
     lm = api.load(device="cpu", dtype="float32")
     ar = lm.generate("Two plus two is", route="ar", max_new_tokens=12).tokens
-    for name in mod.DEFAULT.split(","):
+    for name in [*mod.DEFAULT.split(","), "tree-k4-d2to5-n16"]:
         assert lm.generate("Two plus two is", max_new_tokens=12, **mod.shape_options(name)).tokens == ar, name
 
 

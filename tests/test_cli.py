@@ -99,6 +99,8 @@ def test_bad_input_one_line_error(model_dir, args, msg):
 @pytest.mark.parametrize("args,msg", [
     (["--tree-width", "5"], "tree width (beams kept a depth) must be between 1 and the top-k 4"),
     (["--tree-temperature", "0"], "tree temperature must be positive"),
+    (["--tree-depth", "6-10"], "tree depth '6-10': expected N or SHALLOW:DEEP"),
+    (["--tree-depth", "8:8"], "an adaptive depth is (shallow, deep) with 1 <= shallow < deep"),
 ])
 def test_bad_tree_options_one_line_error(args, msg):
     """Options of the trained drafter's trees (the demo pair ships one) fail with one line."""

@@ -706,3 +706,46 @@ def test_fp32_attention_equals_sdpa(n):
     assert torch.allclose(out.double(), ref.transpose(1, 2).flatten(2), atol=1e-6)
     keys[:, :, 5], values[:, :, 5] = 1e4, 1e4  # a masked key and its value leave no trace
     assert torch.equal(ops.masked_attention(q, keys, values, mask, dm.scale), out)
+
+
+# adaptive depth ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", [0, 1, 4])  # seeds whose random drafters get some drafts accepted
+def test_adaptive_depth_routes_equal_ar(seed):
+    """A depth chosen each round from the last report read (`tree.DepthPolicy`) drafts trees and
+    chains of two sizes in one generation: every output and state is AR's, and the rounds use
+    both depths."""
+    cfg = tiny_config(seed)
+    model = random_model(cfg, seed)
+    dm = random_drafter(cfg, seed)
+    prompt = make_prompt(cfg, seed, 6 + seed % 5)
+    ar_rows, _, ar_cache = Decoder(model).run(torch.tensor([prompt]), NEW)
+    for route, opts in [("tree", dict(topk=4, depth=(1, 6), budget=16)), ("chain", dict(topk=1, depth=(1, 5)))]:
+        drafter = EagleDrafter(dm, model, **opts)
+        used, choose = [], drafter._round_depth
+        drafter._round_depth = lambda: used.append(choose()) or used[-1]
+        rows, res, cache = Decoder(model, drafter, route).run(torch.tensor([prompt]), NEW)
+        assert rows == ar_rows, route
+        assert_same_state(cache, ar_cache)
+        assert set(used) == {1, opts["depth"][1]}, (route, used)
+        # a one-deep rollout proposes the root's top-k (a tree) or one token (a chain)
+        assert all(r.drafted <= (4 if route == "tree" else 1) for r, d in zip(res.rounds, used) if d == 1)
+
+
+def test_depth_policy_follows_the_reports():
+    """The policy's choice: shallow at the start and after a short acceptance, deep after one of
+    at least `shallow` drafts; the drafter applies the report of its oldest unread proposal."""
+    p = tree.DepthPolicy(3, 7)
+    assert [p.choose(a) for a in (None, 0, 2, 3, 7)] == [3, 3, 3, 7, 7]
+    cfg = tiny_config(0)
+    model = random_model(cfg, 0)
+    drafter = EagleDrafter(random_drafter(cfg, 0), model, topk=2, depth=(3, 7), budget=8)
+    assert drafter.depth == 7 and drafter.max_path == 8
+    drafter.reset(1)
+    assert [drafter._round_depth() for _ in range(2)] == [3, 3]  # two rounds in flight, no report yet
+    drafter.observe([3])  # the first round accepted 3 of its 3
+    assert drafter._round_depth() == 7
+    drafter.observe([1])  # the second accepted 1
+    assert drafter._round_depth() == 3
+    with pytest.raises(InputError):
+        EagleDrafter(random_drafter(cfg, 0), model, depth=(5, 5))

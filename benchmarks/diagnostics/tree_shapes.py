@@ -62,7 +62,7 @@ SPECIAL = {  # name -> generate() options, for what a name cannot say
 HEAD_CHUNK, HEAD_DOT = beam_triton.HEAD_CHUNK, beam_triton.HEAD_DOT
 PATHS_EARLY = gdn_paths.EARLY
 CHAIN = re.compile(r"chain(\d+)")
-TREE = re.compile(r"tree-k(\d+)(?:-w(\d+))?-d(\d+)-n(\d+)(?:-t([0-9.]+))?")
+TREE = re.compile(r"tree-k(\d+)(?:-w(\d+))?-d(\d+)(?:to(\d+))?-n(\d+)(?:-t([0-9.]+))?")
 
 
 def shape_options(name: str) -> dict:
@@ -74,13 +74,15 @@ def shape_options(name: str) -> dict:
     if m := CHAIN.fullmatch(name):
         return dict(route="chain", chain_length=int(m[1]))
     if m := TREE.fullmatch(name):
-        kw = dict(route="tree", tree_topk=int(m[1]), tree_depth=int(m[3]), tree_budget=int(m[4]))
+        # dAtoB: each round's depth A or B by the last report read (`tree.DepthPolicy`)
+        depth = (int(m[3]), int(m[4])) if m[4] else int(m[3])
+        kw = dict(route="tree", tree_topk=int(m[1]), tree_depth=depth, tree_budget=int(m[5]))
         if m[2]:
             kw["tree_width"] = int(m[2])
-        if m[5]:
-            kw["tree_temperature"] = float(m[5])
+        if m[6]:
+            kw["tree_temperature"] = float(m[6])
         return kw
-    raise SystemExit(f"unknown shape {name!r}: ar, chainL, tree-kK[-wW]-dD-nN[-tT] or one of {', '.join(SPECIAL)}")
+    raise SystemExit(f"unknown shape {name!r}: ar, chainL, tree-kK[-wW]-dD[toD2]-nN[-tT] or one of {', '.join(SPECIAL)}")
 
 
 def main():

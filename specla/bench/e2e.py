@@ -40,9 +40,9 @@ SUITES = ("mixed", "gsm8k", "humaneval")
 EXACT = "+exact"
 
 
-def route_options(route: str, tree_depth: int = 8, tree_budget: int = 16) -> dict:
+def route_options(route: str, tree_depth: int | tuple[int, int] = 8, tree_budget: int = 16) -> dict:
     """generate() options of a route; tree_depth, tree_budget: the trained drafter's tree route's
-    (top-4 beams)."""
+    (top-4 beams; a (shallow, deep) depth adapts each round, `tree.DepthPolicy`)."""
     if route.endswith(EXACT):
         return {**route_options(route[:-len(EXACT)], tree_depth, tree_budget), "exact": True}
     return {
@@ -296,7 +296,7 @@ def _print(result: dict) -> None:
 def run(model_dir=None, suites=SUITES, routes=BASE_ROUTES, limit: int | None = None, fla_limit: int = 160,
         max_new_tokens: int = 128, device: str = "auto", dtype: str = "auto", out_dir=RESULTS,
         name: str = "e2e", max_minutes: float | None = None, shard: tuple[int, int] = (0, 1),
-        summary_only: bool = False, compile: str | None = None, tree_depth: int = 8,
+        summary_only: bool = False, compile: str | None = None, tree_depth: int | tuple[int, int] = 8,
         tree_budget: int = 16) -> dict:
     """Generate what is not yet recorded (this shard's prompts), then summarise every record.
     summary_only: no generation (e.g. after shards ran on several GPUs or calls). tree_depth,
@@ -311,7 +311,7 @@ def run(model_dir=None, suites=SUITES, routes=BASE_ROUTES, limit: int | None = N
     records = _load_records(out_dir, name)
     kwargs = {r: route_options(r, tree_depth, tree_budget) for r in routes}
     for r in routes:
-        other = [o for o in _recorded_options(records, r) if o != kwargs[r]]
+        other = [o for o in _recorded_options(records, r) if o != json.loads(json.dumps(kwargs[r]))]
         if other and not summary_only:
             raise InputError(f"{out_dir / name}: the {r} records were made with {other[0]}, not {kwargs[r]}; "
                              f"resume with the same options or use another --name")

@@ -81,6 +81,11 @@ class Drafter:
     def propose(self, ctx: DraftContext) -> Draft:
         raise NotImplementedError
 
+    def observe(self, accepted: list[int]) -> None:
+        """The host read the report of this drafter's oldest unread proposal: each row's accepted
+        draft tokens. Reports arrive in proposal order; in-flight rounds are reported later, and
+        a generation's last may never be (`reset` forgets it)."""
+
 
 def pad_drafts(rows: list[tuple[list[int], list[int]]], device=None) -> Draft:
     """Stack per-row (tokens, parents) of different sizes into one Draft, each row padded as

@@ -28,6 +28,8 @@ them (`acceptance.sample`, probs None).
 
 from __future__ import annotations
 
+import collections
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -232,7 +234,8 @@ def load_drafter(path, target: Model | None = None, device="cpu", dtype=torch.fl
 class EagleDrafter(Drafter):
     """Chains (topk 1) or pruned beam trees from an `EagleDrafterModel` over the target's features.
 
-    depth: drafter forwards per round (the deepest draft token); width: beams kept a depth
+    depth: drafter forwards per round (the deepest draft token), or (shallow, deep): each round's
+    depth chosen from the last report read (`tree.DepthPolicy`); width: beams kept a depth
     (default topk; 1 is a chain with each depth's runners-up as leaves, at a chain's drafter
     cost); temperature: of the drafter's distribution in the tree scores q (< 1 ranks the
     likeliest continuation's deeper nodes above unlikely siblings; the beams' tokens do not
@@ -245,10 +248,16 @@ class EagleDrafter(Drafter):
     name = "eagle"
     device_root = True
 
-    def __init__(self, model: EagleDrafterModel, target: Model, topk: int = 1, depth: int = 8,
+    def __init__(self, model: EagleDrafterModel, target: Model, topk: int = 1, depth: int | tuple[int, int] = 8,
                  budget: int | None = None, tau: float | None = None, graphs: bool = False,
                  initial_capacity: int = 256, compile: str | None = None, width: int | None = None,
                  temperature: float = TREE_TEMPERATURE):
+        self.policy = None
+        if isinstance(depth, (tuple, list)):
+            if len(depth) != 2 or not 1 <= depth[0] < depth[1]:
+                raise InputError(f"an adaptive depth is (shallow, deep) with 1 <= shallow < deep, got {tuple(depth)}")
+            self.policy = tree.DepthPolicy(int(depth[0]), int(depth[1]))
+            depth = self.policy.deep  # what buffers and graphs are sized for
         if topk < 1 or depth < 1 or (budget is not None and budget < 1):
             raise InputError("drafter top-k, depth and budget must be positive")
         if not temperature > 0:
@@ -293,6 +302,10 @@ class EagleDrafter(Drafter):
         its buffers and the captured rollouts are reused across generations."""
         self._horizon = horizon
         self._drafting = False  # host flag: a proposal was made (extends now come from rounds)
+        # the depth policy's host state: the depth of each proposal not yet reported, and the
+        # accepted drafts of the last reported one (None: no report to go by)
+        self._unreported: collections.deque[int] = collections.deque()
+        self._accepted: int | None = None
         if getattr(self, "len", None) is not None and self.len.shape[0] == batch:
             self.len.zero_()
             self.pending.zero_()
@@ -315,22 +328,25 @@ class EagleDrafter(Drafter):
         # inside the compiled rollout, where each depth's copy was a kernel of its own on the GPU
         # (the argmax's reduction kernel could not also write it)
         self._src0 = torch.zeros(batch, 1, dtype=torch.long, device=dev)
-        self._graphs, self._extend_graphs = {}, {}  # rollouts by attention window; extends by width
+        self._graphs, self._extend_graphs = {}, {}  # rollouts by attention window and depth; extends by width
 
-    def _graph_fns(self):
-        """(rollout, extend, capture guard factory, prompt extend) for the graphs: compiled when
-        the drafter or its target asks; kept across generations and cache growth (a new
-        capacity recompiles, nothing else does)."""
+    def _graph_fns(self, depth: int | None = None):
+        """(rollout of `depth` (default the deepest), extend, capture guard factory, prompt
+        extend) for the graphs: compiled when the drafter or its target asks; kept across
+        generations and cache growth (a new capacity recompiles, nothing else does)."""
         mode = self.compile or fused.mode_of(self.target)
+        depth = depth or self.depth
         if mode not in self._compiled:
-            # the attention window (cache slots, dim 2) is symbolic: one compile serves every window
-            draft, guard = fused.compile_for_graph(lambda root, k, v: self.draft(root, k, v, graphed=True), mode,
-                                                   dynamic=True)
             # a round's extend has one width (static); a prompt's chunks several (symbolic)
-            extend, _ = fused.compile_for_graph(self._extend, mode)
+            extend, guard = fused.compile_for_graph(self._extend, mode)
             prompt, _ = fused.compile_for_graph(self._extend, mode, dynamic=True)
-            self._compiled[mode] = (draft, extend, guard, prompt)
-        return self._compiled[mode]
+            self._compiled[mode] = (extend, guard, prompt)
+        if (mode, depth) not in self._compiled:
+            # the attention window (cache slots, dim 2) is symbolic: one compile serves every window
+            self._compiled[mode, depth] = fused.compile_for_graph(
+                lambda root, k, v: self.draft(root, k, v, graphed=True, depth=depth), mode, dynamic=True)[0]
+        extend, guard, prompt = self._compiled[mode]
+        return self._compiled[mode, depth], extend, guard, prompt
 
     def _reserve(self, extra: int) -> None:
         self._bound, new = kv_room(self.capacity, self._bound, extra, self.len)
@@ -471,16 +487,32 @@ class EagleDrafter(Drafter):
         root = ctx.root if ctx.root is not None else torch.tensor([h[-1] for h in ctx.history], device=dev)
         self._drafting = True
         if not self.started:  # a one-token prompt: no feature to draft from yet
+            if self.policy is not None:
+                self._unreported.append(0)
             return Draft(root[:, None], topology.chain(1, root.shape[0], device=dev))
         # selection and packing run on the device, inside the rollout's graph when there is one
         # (which runs every depth: a graph cannot stop early), so a round reads nothing back
         # before the verify
+        depth = self._round_depth()
         if self.graphs:
             self._reserve(self.entries)
-            tokens, parents, valid = self._replay(root)
+            tokens, parents, valid = self._replay(root, depth)
             return Draft(tokens, parents, valid=valid, static=True)
-        tokens, parents, valid = self.draft(root, *self._rollout_cache())
+        tokens, parents, valid = self.draft(root, *self._rollout_cache(), depth=depth)
         return Draft(tokens, parents, valid=valid)
+
+    def _round_depth(self) -> int:
+        """This proposal's rollout depth: the policy's choice from the last report read."""
+        if self.policy is None:
+            return self.depth
+        depth = self.policy.choose(self._accepted)
+        self._unreported.append(depth)
+        return depth
+
+    def observe(self, accepted: list[int]) -> None:
+        if self.policy is not None:
+            # a root-only proposal (a one-token prompt's first round) says nothing of the drafts
+            self._accepted = min(accepted) if self._unreported.popleft() else None
 
     @torch.no_grad()
     def pool(self, root: torch.Tensor):
@@ -495,23 +527,25 @@ class EagleDrafter(Drafter):
         W = self._window()
         return self.k[:, :, :W], self.v[:, :, :W]
 
-    def draft(self, root: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, graphed: bool = False):
-        """Rollout, selection and packing: the verifier's (tokens, parents, valid). Eagerly the
-        rollout stops once no beam is inside the window τ; a graph cannot stop early. A chain
-        without a window is its own packing: it needs no scores and no ranking."""
+    def draft(self, root: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, graphed: bool = False,
+              depth: int | None = None):
+        """Rollout (`depth` deep, default the deepest), selection and packing: the verifier's
+        (tokens, parents, valid). Eagerly the rollout stops once no beam is inside the window τ;
+        a graph cannot stop early. A chain without a window is its own packing: it needs no
+        scores and no ranking."""
         if self.chain and self.tau is None:
-            tokens = self.rollout(root, keys, values, scored=False)[0]
+            tokens = self.rollout(root, keys, values, scored=False, depth=depth)[0]
             B, D = tokens.shape
             parents = torch.arange(-1, D, device=root.device).expand(B, -1).contiguous()
             valid = torch.full((B,), D + 1, dtype=torch.long, device=root.device)
             return torch.cat([root[:, None], tokens], 1), parents, valid
-        pool = self.rollout(root, keys, values, None if graphed else self.tau)
+        pool = self.rollout(root, keys, values, None if graphed else self.tau, depth=depth)
         depth = tree.pool_depths(pool[0].shape[1], self.topk, self.width, root.device)
         return tree.build_batch(root, *pool, self.budget, self.tau, depth=depth)
 
     @torch.no_grad()
     def rollout(self, root: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tau: float | None = None,
-                scored: bool = True):
+                scored: bool = True, depth: int | None = None):
         """`tree.beam_search` from root [B] with this drafter: the pool's tokens, parents, scores
         (scored=False, top-1 only: the scores stay 0, `tree.top1`).
 
@@ -548,20 +582,20 @@ class EagleDrafter(Drafter):
             # the expand normalises the k tokens it keeps
             return h if head is not None else m.logits(h, tgt.lm_head.weight)
 
-        return tree.beam_search(step, root, self.topk, self.depth, tau, scored, w, 1 / self.temperature,
+        return tree.beam_search(step, root, self.topk, depth or self.depth, tau, scored, w, 1 / self.temperature,
                                 first=self._src0, head=head)
 
-    def _replay(self, root: torch.Tensor):
+    def _replay(self, root: torch.Tensor, depth: int):
         """`draft` from a CUDA graph over static buffers (root, len, pending, cache), one graph
-        per attention window."""
+        per attention window and depth."""
         W = self._window()
-        graph = self._graphs.get(W)
+        graph = self._graphs.get((W, depth))
         if graph is None:
             keys, values = self.k[:, :, :W], self.v[:, :, :W]
             fused.mark_dynamic(2, keys, values)
             # the rollout only writes cache slots past the committed length
-            draft, _, guard, _ = self._graph_fns()
-            graph = self._graphs[W] = graphs.capture(lambda: draft(self._root, keys, values), guard())
+            draft, _, guard, _ = self._graph_fns(depth)
+            graph = self._graphs[W, depth] = graphs.capture(lambda: draft(self._root, keys, values), guard())
         self._root.copy_(root)
         graph.replay()
         return graph.out
