@@ -24,7 +24,7 @@ import json
 import re
 
 import specla.api as api
-from specla import ops
+from specla import graphs, ops
 from specla.bench.common import environment, warm_set
 from specla.bench.e2e import bootstrap_ratio
 from specla.data.suites import load_gsm8k_train, load_suite
@@ -125,14 +125,16 @@ def main():
         for text in warm:  # compile, capture every attention window's graphs
             lm.generate(text, max_new_tokens=a.max_new_tokens, **kw)
         rec = records[name] = {}
+        captures = graphs.captured()
         for s, i, p in prompts:
             g = lm.generate(p, max_new_tokens=a.max_new_tokens, **kw)
             rec[s, i] = (g.decode_seconds, len(g.tokens), g.rounds, g.tokens)
+        captures = graphs.captured() - captures  # graphs captured inside the timed generations
         secs = sum(r[0] for r in rec.values())
         toks = sum(r[1] for r in rec.values())
         rounds = sum(r[2] for r in rec.values())
         row = {"shape": name, **kw, "tree_verifier": verifier, "prompts": len(rec), "ms_per_token": 1e3 * secs / toks,
-               "tokens_per_round": toks / rounds, "ms_per_round": 1e3 * secs / rounds}
+               "tokens_per_round": toks / rounds, "ms_per_round": 1e3 * secs / rounds, "timed_captures": captures}
         for ref in ("ar", "chain8"):
             if ref in records and ref != name:
                 keys = sorted(rec)
@@ -148,7 +150,7 @@ def main():
         if a.out:  # after every shape: a run cut by its time limit keeps the shapes it finished
             save(a, rows)
     print(f"\n{'shape':18s} {'ms/tok':>7s} {'tok/round':>9s} {'ms/round':>8s} {'x ar':>6s} {'x chain8':>18s} {'=ar':>5s} "
-          f"{'=chain8':>7s}")
+          f"{'=chain8':>7s} {'captures':>8s}")
     ran_ar = any(r["shape"] == "ar" for r in rows)
     for r in rows:
         ci = r.get("over_chain8_ci")
@@ -159,7 +161,7 @@ def main():
         equal_chain = f"{r['equal_chain8']:7.2f}" if "equal_chain8" in r else f"{'-':>7}"
         print(f"{r['shape']:18s} {r['ms_per_token']:7.4f} {r['tokens_per_round']:9.2f} {r['ms_per_round']:8.3f} "
               f"{over_ar} {r.get('over_chain8', float('nan')):6.3f}"
-              f"{f' [{ci[0]:.3f}, {ci[1]:.3f}]' if ci else '':>12s} {equal_ar} {equal_chain}")
+              f"{f' [{ci[0]:.3f}, {ci[1]:.3f}]' if ci else '':>12s} {equal_ar} {equal_chain} {r['timed_captures']:8d}")
     if not ran_ar:
         print("(AR did not run: no speed over AR)")
     if a.out:
