@@ -637,7 +637,7 @@ def test_drafting_attends_over_a_window_of_a_large_cache(monkeypatch):
         b = Decoder(model, large, "tree").run(prompt, 24)
         assert a[0] == b[0] == ar
         assert [r.accepted for r in a[1].rounds] == [r.accepted for r in b[1].rounds]
-    assert large.capacity == 1024 and sorted(large._graphs) == [128, 512]  # 15 + 24 + 10 entries; 300 + 24 + 10
+    assert large.capacity == 1024 and sorted(large._graphs) == [(128, 4), (512, 4)]  # 15 + 24 + 10 entries; 300 + 24 + 10
 
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("cc") is None,
@@ -670,7 +670,7 @@ def test_compiled_graphed_drafting_equals_eager(monkeypatch):
         assert [r.accepted for r in a[1].rounds] == [r.accepted for r in b[1].rounds]
         n = int(eager.len.max())
         torch.testing.assert_close(eager.k[:, :, :n], graphed.k[:, :, :n], rtol=1e-9, atol=1e-9)
-    assert sorted(graphed._graphs) == [128, 256] and graphed.capacity == 256
+    assert sorted(graphed._graphs) == [(128, graphed.depth), (256, graphed.depth)] and graphed.capacity == 256
 
 
 def test_drafter_graphs_follow_the_target_fusion():

@@ -161,8 +161,7 @@ def test_adaptive_depth_reads_the_reports_the_host_has(emulated, demo_fp32, pipe
     """A tree whose depth follows the reports (`tree.DepthPolicy`) on graphs, the demo pair in
     fp32: AR's tokens, and each round's depth is the policy's choice from the report of the
     round `lag` before it — two when the loop runs ahead (round r + 1 is queued before round r
-    is read), one when the host reads every round. Both depths' rollout graphs feed round graphs
-    of their own."""
+    is read), one when the host reads every round."""
     model, dm = demo_fp32
     d = EagleDrafter(dm, model, topk=4, depth=(3, 6), budget=16)
     d.graphs = True
@@ -170,9 +169,14 @@ def test_adaptive_depth_reads_the_reports_the_host_has(emulated, demo_fp32, pipe
     d._round_depth = lambda: used.append(choose()) or used[-1]
     prompt = [int(t) for t in torch.randint(3, 8000, (12,), generator=torch.Generator().manual_seed(1))]
     ar = Decoder(model, graphs=False).run(torch.tensor([prompt]), 40)[0][0]
-    rows, res, _ = Decoder(model, d, "tree", graphs=True, pipeline=pipeline).run(torch.tensor([prompt]), 40)
+    dec = Decoder(model, d, "tree", graphs=True, pipeline=pipeline)
+    rows, res, _ = dec.run(torch.tensor([prompt]), 40)
     assert rows[0] == ar
     acc = [r.accepted for r in res.rounds]
     assert used[:len(acc)] == [d.policy.choose(acc[i - lag] if i >= lag else None) for i in range(len(acc))]
     assert set(used) == {3, 6}
     assert {k[1] for k in d._graphs} == {3, 6}
+    # both depths write one set of drafts: the target keeps a round graph a window, not a depth
+    (target,) = dec.targets.values()
+    rounds = [k for k in target.graphs if isinstance(k, tuple) and k[0] == "round"]
+    assert len(rounds) == len({k[0] for k in d._graphs})

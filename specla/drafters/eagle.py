@@ -329,6 +329,17 @@ class EagleDrafter(Drafter):
         # (the argmax's reduction kernel could not also write it)
         self._src0 = torch.zeros(batch, 1, dtype=torch.long, device=dev)
         self._graphs, self._extend_graphs = {}, {}  # rollouts by attention window and depth; extends by width
+        # with a depth policy every depth's rollout graph writes its draft here, so the target's
+        # round graph (which reads a graphed draft where it lies) and the extend graph after it
+        # are one a window for all depths, as with a fixed depth; None where the depths' drafts
+        # differ in size (chains, or a shallow pool smaller than the budget)
+        self._drafts = None
+        if self.policy is not None and not (self.chain and self.tau is None) and \
+                self.topk + (self.policy.shallow - 1) * self.width * self.topk >= self.budget:
+            n = self.budget + 1
+            self._drafts = (torch.zeros(batch, n, dtype=torch.long, device=dev),
+                            torch.zeros(batch, n, dtype=torch.long, device=dev),
+                            torch.zeros(batch, dtype=torch.long, device=dev))
 
     def _graph_fns(self, depth: int | None = None):
         """(rollout of `depth` (default the deepest), extend, capture guard factory, prompt
@@ -344,7 +355,8 @@ class EagleDrafter(Drafter):
         if (mode, depth) not in self._compiled:
             # the attention window (cache slots, dim 2) is symbolic: one compile serves every window
             self._compiled[mode, depth] = fused.compile_for_graph(
-                lambda root, k, v: self.draft(root, k, v, graphed=True, depth=depth), mode, dynamic=True)[0]
+                lambda root, k, v: self._into_drafts(self.draft(root, k, v, graphed=True, depth=depth)), mode,
+                dynamic=True)[0]
         extend, guard, prompt = self._compiled[mode]
         return self._compiled[mode, depth], extend, guard, prompt
 
@@ -584,6 +596,15 @@ class EagleDrafter(Drafter):
 
         return tree.beam_search(step, root, self.topk, depth or self.depth, tau, scored, w, 1 / self.temperature,
                                 first=self._src0, head=head)
+
+    def _into_drafts(self, draft: tuple) -> tuple:
+        """A graphed rollout's (tokens, parents, valid), written into the drafts every depth shares
+        when there are such (`reset`)."""
+        if self._drafts is None:
+            return draft
+        for buf, x in zip(self._drafts, draft):
+            buf.copy_(x)
+        return self._drafts
 
     def _replay(self, root: torch.Tensor, depth: int):
         """`draft` from a CUDA graph over static buffers (root, len, pending, cache), one graph

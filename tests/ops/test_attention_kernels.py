@@ -270,3 +270,19 @@ def test_compiled_rollout_writes_the_cache_in_place(monkeypatch):
     for a, b in zip(compiled, eager):
         assert torch.equal(a, b)
     torch.testing.assert_close(d.k, eager_k, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_adaptive_rollouts_share_their_drafts():
+    """With a depth policy each depth's compiled rollout (fullgraph, dynamic window) drafts what
+    the eager one drafts at that depth, into the one set of buffers both depths share (the
+    target's round graph reads them in place)."""
+    d, root = _drafter(torch.float32, dict(topk=3, depth=(2, 3), budget=6), graphs_compile="default")
+    W = d._window()
+    keys, values = d.k[:, :, :W], d.v[:, :, :W]
+    fused.mark_dynamic(2, keys, values)
+    for depth in (2, 3):
+        eager = d.draft(root, d.k.clone()[:, :, :W], d.v.clone()[:, :, :W], graphed=True, depth=depth)
+        compiled = d._graph_fns(depth)[0](root, keys, values)
+        assert all(a.data_ptr() == b.data_ptr() for a, b in zip(compiled, d._drafts))
+        for a, b in zip(compiled, eager):
+            assert torch.equal(a, b), depth
