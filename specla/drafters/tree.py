@@ -49,7 +49,8 @@ class DepthPolicy(NamedTuple):
     when it queues the round; the pipelined loop has then read the report of the round two
     before. Replayed on held-out prompts (`benchmarks/diagnostics/tree_policy.py --adaptive`),
     (6, 10) read two rounds late accepts 6.95 tokens a round against 6.65 at a fixed depth 8; on
-    an H100 its rounds cost 10% more than depth 8's (docs/drafter.md), so it is not the default."""
+    an H100 its rounds cost 4.6% more than depth 8's for 3.5% more tokens (docs/drafter.md), so
+    it is not the default."""
     shallow: int
     deep: int
 
