@@ -15,9 +15,20 @@
 # step `card:H200` ends the lane with status 3 on any other card (a call for the H200 kind is
 # served by an H100 when one is free): chain later lanes with && so the call stops right after
 # the machine's start.
+# LANE_SECONDS=N: the lane's whole time; each diag and bench step's own bound is cut to what is
+# left of it less 15 s, so the lane still packs what the step wrote (an outer `timeout` that
+# fires mid-step loses that step's files: the e2e records of 2026-12-07's fourth call).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 SPECLA_COMMIT=${SPECLA_COMMIT:-unknown}
 LANE=${LANE:-a}
+END=$(( SECONDS + ${LANE_SECONDS:-86400} ))
+
+left() {  # left SECONDS: a step's bound, cut to the lane's time left less 15 s (at least 1)
+  local want=$1 rest=$(( END - SECONDS - 15 ))
+  (( rest < want )) && want=$rest
+  (( want < 1 )) && want=1
+  echo "$want"
+}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STAGE=/tmp/specla-stage-$LANE; rm -rf "$STAGE"; mkdir -p "$STAGE"
 if [ -n "${SRC:-}" ]; then  # SRC=DIR: run the lane on another commit's tree, carried as an ignored
@@ -136,7 +147,7 @@ ablate() {  # ablate MINUTES [STEPS]: ReaDy stage-1 variants from the committed 
 bench() {  # bench NAME [ARGS...]; earlier records of a resumable bench travel in .run/NAME
   local name=$1; shift
   [ -d ".run/$name" ] && cp -r ".run/$name/." "$STAGE"/
-  timeout "${BENCH_TIMEOUT:-420}" $SPECLA bench "$name" "$@" --out "$STAGE" 2>&1 | tee "$STAGE/bench-$name.log"
+  timeout "$(left "${BENCH_TIMEOUT:-420}")" $SPECLA bench "$name" "$@" --out "$STAGE" 2>&1 | tee "$STAGE/bench-$name.log"
 }
 
 bench_ablations() {  # bench_ablations SECONDS PROMPTS: DSpark and every trained ablation, fewer prompts
@@ -164,7 +175,7 @@ run_step() {
     ablate:*) IFS=: read -r _ mins steps <<<"$step"; ablate "$mins" "$steps" ;;
     bench-ablations:*) IFS=: read -r _ secs n <<<"$step"; bench_ablations "$secs" "$n" ;;
     diag:*) IFS=: read -r _ name secs args <<<"$step"  # diag:NAME[:SECONDS[:ARG,...]]: benchmarks/diagnostics/NAME.py
-      args=${args//,/ }; timeout "${secs:-300}" python3 "benchmarks/diagnostics/$name.py" ${args//%/,} --out "$STAGE/$name.json" 2>&1 \
+      args=${args//,/ }; timeout "$(left "${secs:-300}")" python3 "benchmarks/diagnostics/$name.py" ${args//%/,} --out "$STAGE/$name.json" 2>&1 \
         | tee "$STAGE/diag-$name.log" ;;
     bench:*) IFS=: read -r _ name secs args <<<"$step"  # bench:NAME[:SECONDS[:ARG,ARG,...]]
       args=${args//,/ }; BENCH_TIMEOUT=${secs:-${BENCH_TIMEOUT:-420}} bench "$name" ${args//%/,} ;;
