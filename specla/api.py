@@ -30,6 +30,8 @@ from specla.topology import as_parents
 DEMO_DIR = Path(__file__).parent / "models" / "demo"
 ROUTES = ("ar", "chain", "tree", "fla", "mtp", "dspark", "ready")
 DRAFTERS = ("auto", "eagle", "ngram")
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64, "fp64": torch.float64}
 
 
 def parse_tree_depth(text: str) -> int | tuple[int, int]:
@@ -49,8 +51,6 @@ def parse_tree_depth(text: str) -> int | tuple[int, int]:
 
 def _depths(tree_depth) -> tuple[int, ...]:
     return tuple(tree_depth) if isinstance(tree_depth, (tuple, list)) else (tree_depth,)
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64, "fp64": torch.float64}
 
 
 def resolve_device(device: str) -> torch.device:

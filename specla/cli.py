@@ -92,8 +92,7 @@ def generate(
     lm = api.load(model, device=device, dtype=dtype, compile=compile)
     kwargs = dict(route=route, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                   chat=False if raw else None, chain_length=chain_length, tree_topk=tree_topk,
-                  tree_budget=tree_budget, tree_depth=depth, tree_tau=tree_tau,
-                  tree_width=tree_width,
+                  tree_budget=tree_budget, tree_depth=depth, tree_tau=tree_tau, tree_width=tree_width,
                   tree_temperature=tree_temperature, drafter=drafter, delayed=not immediate_commit, exact=exact)
     if as_json:
         typer.echo(json.dumps(lm.generate(prompt, **kwargs).to_dict()))

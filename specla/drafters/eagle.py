@@ -29,7 +29,6 @@ them (`acceptance.sample`, probs None).
 from __future__ import annotations
 
 import collections
-
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
