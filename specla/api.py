@@ -49,10 +49,6 @@ def parse_tree_depth(text: str) -> int | tuple[int, int]:
     raise InputError(f"tree depth {text!r}: expected N or SHALLOW:DEEP (e.g. 8 or 6:10)")
 
 
-def _depths(tree_depth) -> tuple[int, ...]:
-    return tuple(tree_depth) if isinstance(tree_depth, (tuple, list)) else (tree_depth,)
-
-
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -175,7 +171,8 @@ class SpecLA:
             raise InputError(f"unknown route {route!r}; choose one of {', '.join(ROUTES)}")
         if drafter not in DRAFTERS:
             raise InputError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
-        if chain_length < 1 or tree_topk < 1 or tree_budget < 1 or min(_depths(tree_depth)) < 1:
+        if chain_length < 1 or tree_topk < 1 or tree_budget < 1 or \
+                min(tree_depth if isinstance(tree_depth, (tuple, list)) else (tree_depth,)) < 1:
             raise InputError("chain length, tree top-k, depth and budget must be positive")
         if route == "ar":
             return None

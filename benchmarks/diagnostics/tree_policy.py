@@ -89,31 +89,22 @@ def pools_of(lm, drafter: EagleDrafter, ids: list[int], new: int):
 def replay(pools, keep) -> tuple[int, int]:
     """(tokens, rounds) of the decode loop over the stored pools with selection `keep(pool)`
     -> kept indices; a round accepts the kept correct nodes (a path) and emits one more."""
-    new = len(pools)
-    t = tokens = rounds = 0
-    while tokens < new:
-        correct = pools[t][3]
-        kept = keep(pools[t])
-        a = int(correct[kept].sum()) if len(kept) else 0  # the correct nodes form one path
-        tokens += a + 1
-        rounds += 1
-        t += a + 1
-        if t >= len(pools):
-            break
-    return min(tokens, new), rounds
+    tokens, depths = replay_adaptive(pools, lambda pool, D: keep(pool), lambda report: None, 1)
+    return tokens, len(depths)
 
 
-def replay_adaptive(pools, keep_at, choose, lag: int) -> tuple[int, list[int]]:
-    """(tokens, each round's depth) of the decode loop when a round's depth is `choose(report)`,
-    report = (accepted, depth) of the round `lag` rounds before (None at the start): the
-    pipelined loop reads a round's report while the next one runs, so it decides with lag 2."""
+def replay_adaptive(pools, keep_at, choose, lag: int) -> tuple[int, list]:
+    """(tokens, each round's depth) of the decode loop when a round's depth is `choose(report)`
+    and its selection `keep_at(pool, depth)`, report = (accepted, depth) of the round `lag`
+    rounds before (None at the start): the pipelined loop reads a round's report while the
+    next one runs, so it decides with lag 2."""
     new = len(pools)
     t = tokens = 0
-    hist: list[tuple[int, int]] = []
+    hist: list[tuple] = []
     while tokens < new:
         D = choose(hist[-lag] if len(hist) >= lag else None)
         kept = keep_at(pools[t], D)
-        a = int(pools[t][3][kept].sum()) if len(kept) else 0
+        a = int(pools[t][3][kept].sum()) if len(kept) else 0  # the correct nodes form one path
         tokens += a + 1
         hist.append((a, D))
         t += a + 1

@@ -273,7 +273,7 @@ class EagleDrafter(Drafter):
         self.model, self.target = model, target
         self.topk, self.width, self.depth, self.tau, self.graphs = topk, width, depth, tau, graphs
         self.temperature = temperature
-        pool = topk + (depth - 1) * width * topk
+        pool = self._pool_size(depth)
         self.budget = pool if budget is None else min(budget, pool)
         self.max_nodes = self.budget + 1
         self._max_path = depth + 1  # one node a depth
@@ -334,11 +334,15 @@ class EagleDrafter(Drafter):
         # differ in size (chains, or a shallow pool smaller than the budget)
         self._drafts = None
         if self.policy is not None and not (self.chain and self.tau is None) and \
-                self.topk + (self.policy.shallow - 1) * self.width * self.topk >= self.budget:
+                self._pool_size(self.policy.shallow) >= self.budget:
             n = self.budget + 1
             self._drafts = (torch.zeros(batch, n, dtype=torch.long, device=dev),
                             torch.zeros(batch, n, dtype=torch.long, device=dev),
                             torch.zeros(batch, dtype=torch.long, device=dev))
+
+    def _pool_size(self, depth: int) -> int:
+        """Nodes a rollout `depth` deep proposes: the root's top-k, then width · top-k a depth."""
+        return self.topk + (depth - 1) * self.width * self.topk
 
     def _graph_fns(self, depth: int | None = None):
         """(rollout of `depth` (default the deepest), extend, capture guard factory, prompt
@@ -551,8 +555,8 @@ class EagleDrafter(Drafter):
             valid = torch.full((B,), D + 1, dtype=torch.long, device=root.device)
             return torch.cat([root[:, None], tokens], 1), parents, valid
         pool = self.rollout(root, keys, values, None if graphed else self.tau, depth=depth)
-        depth = tree.pool_depths(pool[0].shape[1], self.topk, self.width, root.device)
-        return tree.build_batch(root, *pool, self.budget, self.tau, depth=depth)
+        levels = tree.pool_depths(pool[0].shape[1], self.topk, self.width, root.device)
+        return tree.build_batch(root, *pool, self.budget, self.tau, depth=levels)
 
     @torch.no_grad()
     def rollout(self, root: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tau: float | None = None,
