@@ -63,6 +63,8 @@ HEAD_CHUNK, HEAD_DOT = beam_triton.HEAD_CHUNK, beam_triton.HEAD_DOT
 PATHS_EARLY = gdn_paths.EARLY
 CHAIN = re.compile(r"chain(\d+)")
 TREE = re.compile(r"tree-k(\d+)(?:-w(\d+))?-d(\d+)(?:to(\d+))?-n(\d+)(?:-t([0-9.]+))?")
+# the options of a SPECIAL shape that set module switches rather than generate() arguments
+SWITCHES = {"beam_expand", "draft_fused", "head_expand", "head_chunk", "head_dot", "tree_verifier", "paths_early"}
 
 
 def shape_options(name: str) -> dict:
@@ -110,44 +112,33 @@ def main():
                    for i, p in enumerate(load_suite(s, limit=a.n_prompts))]
     warm = warm_set(((len(lm.encode_prompt(p)), p) for _, _, p in prompts), a.max_new_tokens)
     rows, records = [], {}
-    for name, kw in shapes.items():
-        ops.BEAM_EXPAND = kw.pop("beam_expand", "auto")  # both read when the rollout is traced
-        ops.DRAFT_FUSED = kw.pop("draft_fused", "auto")
-        ops.HEAD_EXPAND = kw.pop("head_expand", "auto")
-        beam_triton.HEAD_CHUNK = kw.pop("head_chunk", HEAD_CHUNK)
-        beam_triton.HEAD_DOT = kw.pop("head_dot", HEAD_DOT)
-        verifier = kw.pop("tree_verifier", "auto")
-        early = kw.pop("paths_early", PATHS_EARLY)
-        if verifier != ops.TREE_VERIFIER or early != gdn_paths.EARLY:  # read when the target's round
-            ops.TREE_VERIFIER, gdn_paths.EARLY = verifier, early  # is captured: new round graphs
-            lm._targets.clear()
-        lm._drafters.clear()  # a fresh drafter per shape: the same options may trace another step
-        for text in warm:  # compile, capture every attention window's graphs
-            lm.generate(text, max_new_tokens=a.max_new_tokens, **kw)
-        rec = records[name] = {}
-        captures = graphs.captured()
+    # plain shapes take turns prompt by prompt, as `bench e2e`'s routes do, so a drift of the
+    # clocks over the run falls on each alike (one after another, rows of one code differed by 5%,
+    # tree_shapes_b964ef6_profile_h100.json); a shape that sets module switches runs on its own
+    plain = {name: kw for name, kw in shapes.items() if not SWITCHES & kw.keys()}
+    groups = [plain] * bool(plain) + [{name: kw} for name, kw in shapes.items() if name not in plain]
+    for group in groups:
+        options = {name: switch(lm, kw) for name, kw in group.items()}
+        lm._drafters.clear()  # fresh drafters: the same options may trace another step under new switches
+        for kw in options.values():
+            for text in warm:  # compile, capture every attention window's graphs
+                lm.generate(text, max_new_tokens=a.max_new_tokens, **kw)
+        captures = dict.fromkeys(group, 0)  # graphs captured inside the timed generations
+        for name in group:
+            records[name] = {}
         for s, i, p in prompts:
-            g = lm.generate(p, max_new_tokens=a.max_new_tokens, **kw)
-            rec[s, i] = (g.decode_seconds, len(g.tokens), g.rounds, g.tokens)
-        captures = graphs.captured() - captures  # graphs captured inside the timed generations
-        secs = sum(r[0] for r in rec.values())
-        toks = sum(r[1] for r in rec.values())
-        rounds = sum(r[2] for r in rec.values())
-        row = {"shape": name, **kw, "tree_verifier": verifier, "prompts": len(rec), "ms_per_token": 1e3 * secs / toks,
-               "tokens_per_round": toks / rounds, "ms_per_round": 1e3 * secs / rounds, "timed_captures": captures}
-        for ref in ("ar", "chain8"):
-            if ref in records and ref != name:
-                keys = sorted(rec)
-                # speed over ref: ref's time over this shape's, paired by prompt (same tokens emitted)
-                num, den = [records[ref][k][0] for k in keys], [rec[k][0] for k in keys]
-                row[f"over_{ref}"] = sum(num) / sum(den)
-                row[f"over_{ref}_ci"] = bootstrap_ratio(num, den)
-                row[f"equal_{ref}"] = sum(rec[k][3] == records[ref][k][3] for k in keys) / len(keys)
-        if a.profile:
-            row["profile"] = profile(lm, prompts[0][2], a.max_new_tokens, kw)
-        rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "profile"}))
-        if a.out:  # after every shape: a run cut by its time limit keeps the shapes it finished
+            for name, kw in options.items():
+                before = graphs.captured()
+                g = lm.generate(p, max_new_tokens=a.max_new_tokens, **kw)
+                captures[name] += graphs.captured() - before
+                records[name][s, i] = (g.decode_seconds, len(g.tokens), g.rounds, g.tokens)
+        for name, kw in options.items():
+            row = summary_row(name, kw, group[name].get("tree_verifier", "auto"), records, captures[name])
+            if a.profile:
+                row["profile"] = profile(lm, prompts[0][2], a.max_new_tokens, kw)
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "profile"}))
+        if a.out:  # after every group: a run cut by its time limit keeps the shapes it finished
             save(a, rows)
     print(f"\n{'shape':18s} {'ms/tok':>7s} {'tok/round':>9s} {'ms/round':>8s} {'x ar':>6s} {'x chain8':>18s} {'=ar':>5s} "
           f"{'=chain8':>7s} {'captures':>8s}")
@@ -166,6 +157,43 @@ def main():
         print("(AR did not run: no speed over AR)")
     if a.out:
         plot(rows, a.out.removesuffix(".json") + ".png")
+
+
+def switch(lm, kw: dict) -> dict:
+    """Set the module switches a shape names (the defaults for those it does not) and return its
+    generate() options; a new verifier or path split drops the captured round graphs."""
+    kw = dict(kw)
+    ops.BEAM_EXPAND = kw.pop("beam_expand", "auto")  # both read when the rollout is traced
+    ops.DRAFT_FUSED = kw.pop("draft_fused", "auto")
+    ops.HEAD_EXPAND = kw.pop("head_expand", "auto")
+    beam_triton.HEAD_CHUNK = kw.pop("head_chunk", HEAD_CHUNK)
+    beam_triton.HEAD_DOT = kw.pop("head_dot", HEAD_DOT)
+    verifier = kw.pop("tree_verifier", "auto")
+    early = kw.pop("paths_early", PATHS_EARLY)
+    if verifier != ops.TREE_VERIFIER or early != gdn_paths.EARLY:  # read when the target's round
+        ops.TREE_VERIFIER, gdn_paths.EARLY = verifier, early  # is captured: new round graphs
+        lm._targets.clear()
+    return kw
+
+
+def summary_row(name: str, kw: dict, verifier: str, records: dict, captures: int) -> dict:
+    """A shape's row: ms a token and a round, tokens a round, and its speed over `ar` and
+    `chain8` (paired by prompt, with a bootstrap interval) where they ran."""
+    rec = records[name]
+    secs = sum(r[0] for r in rec.values())
+    toks = sum(r[1] for r in rec.values())
+    rounds = sum(r[2] for r in rec.values())
+    row = {"shape": name, **kw, "tree_verifier": verifier, "prompts": len(rec), "ms_per_token": 1e3 * secs / toks,
+           "tokens_per_round": toks / rounds, "ms_per_round": 1e3 * secs / rounds, "timed_captures": captures}
+    for ref in ("ar", "chain8"):
+        if ref in records and ref != name:
+            keys = sorted(rec)
+            # speed over ref: ref's time over this shape's, paired by prompt (same tokens emitted)
+            num, den = [records[ref][k][0] for k in keys], [rec[k][0] for k in keys]
+            row[f"over_{ref}"] = sum(num) / sum(den)
+            row[f"over_{ref}_ci"] = bootstrap_ratio(num, den)
+            row[f"equal_{ref}"] = sum(rec[k][3] == records[ref][k][3] for k in keys) / len(keys)
+    return row
 
 
 def save(a, rows: list[dict]) -> None:
