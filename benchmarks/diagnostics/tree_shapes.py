@@ -1,6 +1,7 @@
 """Which draft-tree shape pays on the demo pair: trees of other depths, budgets and widths
 against the 8-token chain, timed in one process on the same prompts (the first N of each
-e2e suite), greedy, 128 new tokens, CUDA graphs as `bench e2e` runs them.
+e2e suite), greedy, 128 new tokens, CUDA graphs as `bench e2e` runs them; shapes that differ
+only in generate() options take turns prompt by prompt, as `bench e2e`'s routes do.
 
 A tree round costs ~1.2x a chain round on the GPU (rounds_81f2b3f: 0.90 against 0.73 ms; the
 host issues both well ahead of the GPU, host_time_d18c594) while it accepts only 1.07-1.12x
