@@ -64,8 +64,10 @@ HEAD_CHUNK, HEAD_DOT = beam_triton.HEAD_CHUNK, beam_triton.HEAD_DOT
 PATHS_EARLY = gdn_paths.EARLY
 CHAIN = re.compile(r"chain(\d+)")
 TREE = re.compile(r"tree-k(\d+)(?:-w(\d+))?-d(\d+)(?:to(\d+))?-n(\d+)(?:-t([0-9.]+))?")
-# the options of a SPECIAL shape that set module switches rather than generate() arguments
-SWITCHES = {"beam_expand", "draft_fused", "head_expand", "head_chunk", "head_dot", "tree_verifier", "paths_early"}
+# the options of a SPECIAL shape that set module switches rather than generate() arguments, and
+# the switches' values for a shape that does not name them
+SWITCHES = {"beam_expand": "auto", "draft_fused": "auto", "head_expand": "auto", "head_chunk": HEAD_CHUNK,
+            "head_dot": HEAD_DOT, "tree_verifier": "auto", "paths_early": PATHS_EARLY}
 
 
 def shape_options(name: str) -> dict:
@@ -119,7 +121,7 @@ def main():
     plain = {name: kw for name, kw in shapes.items() if not SWITCHES & kw.keys()}
     groups = [plain] * bool(plain) + [{name: kw} for name, kw in shapes.items() if name not in plain]
     for group in groups:
-        options = {name: switch(lm, kw) for name, kw in group.items()}
+        options = {name: switch(lm, kw) for name, kw in group.items()}  # a group's switches are one set
         lm._drafters.clear()  # fresh drafters: the same options may trace another step under new switches
         for kw in options.values():
             for text in warm:  # compile, capture every attention window's graphs
@@ -134,7 +136,7 @@ def main():
                 captures[name] += graphs.captured() - before
                 records[name][s, i] = (g.decode_seconds, len(g.tokens), g.rounds, g.tokens)
         for name, kw in options.items():
-            row = summary_row(name, kw, group[name].get("tree_verifier", "auto"), records, captures[name])
+            row = summary_row(name, kw, ops.TREE_VERIFIER, records, captures[name])
             if a.profile:
                 row["profile"] = profile(lm, prompts[0][2], a.max_new_tokens, kw)
             rows.append(row)
@@ -161,19 +163,16 @@ def main():
 
 
 def switch(lm, kw: dict) -> dict:
-    """Set the module switches a shape names (the defaults for those it does not) and return its
-    generate() options; a new verifier or path split drops the captured round graphs."""
+    """Set the module switches a shape names (`SWITCHES`' values for those it does not) and
+    return its generate() options; a new verifier or path split drops the captured round graphs."""
     kw = dict(kw)
-    ops.BEAM_EXPAND = kw.pop("beam_expand", "auto")  # both read when the rollout is traced
-    ops.DRAFT_FUSED = kw.pop("draft_fused", "auto")
-    ops.HEAD_EXPAND = kw.pop("head_expand", "auto")
-    beam_triton.HEAD_CHUNK = kw.pop("head_chunk", HEAD_CHUNK)
-    beam_triton.HEAD_DOT = kw.pop("head_dot", HEAD_DOT)
-    verifier = kw.pop("tree_verifier", "auto")
-    early = kw.pop("paths_early", PATHS_EARLY)
-    if verifier != ops.TREE_VERIFIER or early != gdn_paths.EARLY:  # read when the target's round
-        ops.TREE_VERIFIER, gdn_paths.EARLY = verifier, early  # is captured: new round graphs
-        lm._targets.clear()
+    on = {key: kw.pop(key, default) for key, default in SWITCHES.items()}
+    ops.BEAM_EXPAND, ops.DRAFT_FUSED = on["beam_expand"], on["draft_fused"]  # read when the rollout is traced
+    ops.HEAD_EXPAND = on["head_expand"]
+    beam_triton.HEAD_CHUNK, beam_triton.HEAD_DOT = on["head_chunk"], on["head_dot"]
+    if (on["tree_verifier"], on["paths_early"]) != (ops.TREE_VERIFIER, gdn_paths.EARLY):  # read when the
+        ops.TREE_VERIFIER, gdn_paths.EARLY = on["tree_verifier"], on["paths_early"]  # target's round is
+        lm._targets.clear()  # captured: new round graphs
     return kw
 
 
