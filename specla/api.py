@@ -215,6 +215,8 @@ class SpecLA:
         in): made once per option set and kept, with the graphs it compiles and captures."""
         args = inspect.signature(self.drafter).bind(route, *options, **named)
         args.apply_defaults()
+        if isinstance(args.arguments["tree_depth"], list):  # an adaptive depth from JSON: a hashable key
+            args.arguments["tree_depth"] = tuple(args.arguments["tree_depth"])
         key = tuple(args.arguments.values())
         if key not in self._drafters:
             self._drafters[key] = self.drafter(*key)
@@ -232,7 +234,6 @@ class SpecLA:
         AR steps too), so every route's output is bit-identical to exact-mode `ar` in any
         precision, at the cost of a slower AR step (docs/exact.md)."""
         ids = self.encode_prompt(prompt, chat)
-        tree_depth = tuple(tree_depth) if isinstance(tree_depth, list) else tree_depth  # a key of served drafters
         served = self.served_drafter(route, chain_length, tree_topk, tree_budget, tree_depth, tree_tau, drafter,
                                      tree_width, tree_temperature)
         decoder = Decoder(self.model, served, route, targets=self._targets,

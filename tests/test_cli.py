@@ -73,6 +73,8 @@ def test_api_routes_agree_and_stream(model_dir):
     served = lm.served_drafter("tree")
     assert served is lm.served_drafter("tree", tree_topk=4) is lm.served_drafter("tree", 8, 4, 16)
     assert sorted(k[0] for k in lm._drafters) == ["ar", "chain", "tree"]  # one entry a route, no twins
+    # an adaptive depth read back from JSON (a list) is the tuple's drafter
+    assert lm.served_drafter("tree", tree_depth=[4, 8]) is lm.served_drafter("tree", tree_depth=(4, 8))
 
 
 BAD = [
