@@ -119,7 +119,7 @@ def main():
     # clocks over the run falls on each alike (one after another, rows of one code differed by 5%,
     # tree_shapes_b964ef6_profile_h100.json); a shape that sets module switches runs on its own
     plain = {name: kw for name, kw in shapes.items() if not SWITCHES & kw.keys()}
-    groups = [plain] * bool(plain) + [{name: kw} for name, kw in shapes.items() if name not in plain]
+    groups = ([plain] if plain else []) + [{name: kw} for name, kw in shapes.items() if name not in plain]
     for group in groups:
         options = {name: switch(lm, kw) for name, kw in group.items()}  # a group's switches are one set
         lm._drafters.clear()  # fresh drafters: the same options may trace another step under new switches
