@@ -460,6 +460,36 @@ def test_e2e_summary_counts_generations_that_captured_inside_their_timing():
     assert e2e._summarise(records, "chain")["timed_captures"] == 0
 
 
+def test_e2e_times_again_a_generation_that_captured_a_graph():
+    """A capture inside a timing (a graph the warm-up missed) is not kept: the generation runs
+    again, its graphs now there, and that second timing is recorded, marked as retimed."""
+    from specla import graphs
+    from specla.bench import e2e
+
+    class FakeLM:
+        def __init__(self, captures_first):
+            self.calls, self.captures_first = [], captures_first
+
+        def generate(self, prompt, max_new_tokens, **options):
+            self.calls.append((prompt, max_new_tokens, options))
+            if len(self.calls) == 1:
+                graphs._captured += self.captures_first
+            return f"generation {len(self.calls)}"
+
+    cpu = torch.device("cpu")
+    lm = FakeLM(captures_first=2)
+    g, seconds, captures, retimed = e2e._timed_generation(lm, cpu, "p", 7, {"route": "tree"})
+    assert (g, captures, retimed) == ("generation 2", 0, True) and seconds >= 0
+    assert lm.calls == [("p", 7, {"route": "tree"})] * 2
+    lm = FakeLM(captures_first=0)
+    g, _, captures, retimed = e2e._timed_generation(lm, cpu, "p", 7, {})
+    assert (g, captures, retimed) == ("generation 1", 0, False) and len(lm.calls) == 1
+    rec = {"seconds": 1.0, "decode_seconds": 0.5, "prefill_seconds": 0.5, "mean_accepted_length": 2.0,
+           "first_token_match": 1.0, "tokens": [1], "captures": 0}
+    records = {"ar": {"a": rec}, "chain": {"a": {**rec, "retimed": True}}}
+    assert e2e._summarise(records, "chain")["retimed"] == 1
+
+
 def test_git_commit_marks_a_tree_that_differs_from_head(tmp_path, monkeypatch):
     """Results name the code they ran: HEAD, "-dirty" when tracked files were changed."""
     import shutil
