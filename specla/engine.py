@@ -141,13 +141,16 @@ class EagerTarget:
 
     def reset(self) -> None:
         """Empty the cache in place, so a new generation reuses its buffers (and graphs)."""
+        groups: dict = {}  # a multi-tensor launch per dtype, not a memset per buffer (~40 host launches)
         for st in self.cache.layers:
             for t in vars(st).values():
+                if isinstance(t, tuple):
+                    t = t[-1]  # pending: nothing left to apply
                 if isinstance(t, torch.Tensor):
-                    t.zero_()
-                elif isinstance(t, tuple):
-                    t[-1].zero_()  # pending: nothing left to apply
-        self.cache.length.zero_()
+                    groups.setdefault((t.device, t.dtype), []).append(t)
+        groups.setdefault((self.cache.length.device, self.cache.length.dtype), []).append(self.cache.length)
+        for ts in groups.values():
+            torch._foreach_zero_(ts)
         self.cache.clean = True
 
     def prefill(self, tokens: torch.Tensor, capture=(), logits: bool = True) -> ModelOutput:
