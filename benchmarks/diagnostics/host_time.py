@@ -9,9 +9,12 @@ For each route: the generations of `bench rounds` (warm-up, then N prompts), wit
   drafter extend per width);
 - the drafter's cache-room checks that read the device (`kv_room` falling back to a sync);
 - Python's garbage collections (count and time);
-- cProfile of the whole loop: the functions with the most own time, ms a round.
+- cProfile of the whole loop: the functions with the most own time, ms a round;
+- a generation's time outside its prefill and decode (what `bench e2e` times around them: on
+  an H100 at 37fdbd1 1.5-1.7 ms for prompts under 128 tokens), split into the prompt's encoding,
+  the target's and drafter's reset (`Decoder.start`, up to the sync before prefill) and the rest.
 
-    SPECLA_COMPILE=1 python benchmarks/diagnostics/host_time.py [--routes chain,tree] [--out FILE]
+    SPECLA_COMPILE=1 python benchmarks/diagnostics/host_time.py [--routes ar,chain,tree] [--out FILE]
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from collections import defaultdict
 import torch
 
 import specla.api as api
+import specla.decode as decode
 import specla.drafters.eagle as eagle
 from specla.bench.common import environment, warm_set
 from specla.bench.e2e import route_options
@@ -36,7 +40,7 @@ from specla.data.suites import load_suite
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--routes", default="chain,tree")
+    ap.add_argument("--routes", default="ar,chain,tree")
     ap.add_argument("--n-prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--out", default=None)
@@ -72,6 +76,16 @@ def main():
             gcs[0] += 1
             gcs[1] += time.perf_counter() - gc_t[0]
 
+    starts = []  # seconds of each Decoder.start, to the GPU's end of its resets
+    orig_start = decode.Decoder.start
+
+    def start(self, *args, **kwargs):
+        t = time.perf_counter()
+        target = orig_start(self, *args, **kwargs)
+        torch.cuda.synchronize()
+        starts.append(time.perf_counter() - t)
+        return target
+
     rows = []
     for route in a.routes.split(","):
         kw = route_options(route)
@@ -82,15 +96,27 @@ def main():
         gcs[:] = [0, 0.0]
         torch.cuda.CUDAGraph.replay = replay
         eagle.kv_room = kv_room
+        decode.Decoder.start = start
         gc.callbacks.append(on_gc)
         prof = cProfile.Profile()
         rounds = 0
         wall = 0.0
+        outside = defaultdict(list)  # ms a generation
         try:
             for p in prompts:  # the timed pass, without the profiler (it slows Python down)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
                 g = lm.generate(p, max_new_tokens=a.max_new_tokens, **kw)
+                torch.cuda.synchronize()
+                total = time.perf_counter() - t0
                 rounds += g.rounds
                 wall += g.decode_seconds
+                t1 = time.perf_counter()
+                lm.encode_prompt(p)
+                encode = time.perf_counter() - t1
+                outside["total"].append(1e3 * (total - g.prefill_seconds - g.decode_seconds))
+                outside["encode"].append(1e3 * encode)
+                outside["start"].append(1e3 * starts[-1])
             names = _graph_names(lm)
             per_graph = {names.get(k, f"graph {k}"): {"replays_per_round": len(v) / rounds,
                                                       "host_us_median": 1e6 * statistics.median(v),
@@ -98,6 +124,8 @@ def main():
                          for k, v in replays.items()}
             room = {"checks_per_round": syncs[0] / rounds, "device_reads_per_round": syncs[1] / rounds}
             gc_row = {"collections": gcs[0], "ms_per_round": 1e3 * gcs[1] / rounds}
+            outside_row = {k: statistics.median(v) for k, v in outside.items()}
+            outside_row["rest"] = outside_row["total"] - outside_row["encode"] - outside_row["start"]
             prof_rounds = 0
             prof.enable()
             for p in prompts[:4]:
@@ -106,16 +134,19 @@ def main():
         finally:
             torch.cuda.CUDAGraph.replay = orig_replay
             eagle.kv_room = orig_room
+            decode.Decoder.start = orig_start
             gc.callbacks.remove(on_gc)
         st = pstats.Stats(prof)
         top = sorted(((v[2], k) for k, v in st.stats.items()), reverse=True)[:30]
         row = {"route": route, "rounds": rounds, "round_ms": 1e3 * wall / rounds, "graphs": per_graph,
-               "room": room, "gc": gc_row,
+               "room": room, "gc": gc_row, "outside_ms_median": outside_row,
                "cprofile_rounds": prof_rounds,
                "cprofile_top": [{"fn": f"{k[0].split('/')[-1]}:{k[1]}:{k[2]}", "own_ms_per_round": 1e3 * t / prof_rounds,
                                  "calls_per_round": st.stats[k][1] / prof_rounds} for t, k in top]}
         rows.append(row)
         print(f"\n== {route}: {rounds} rounds, {row['round_ms']:.3f} ms a round; room {room}; gc {gc_row}")
+        print("  outside prefill and decode, ms a generation (median): "
+              + ", ".join(f"{k} {v:.3f}" for k, v in outside_row.items()))
         for name, g in sorted(per_graph.items(), key=lambda kv: -kv[1]["host_us_per_round"]):
             print(f"  replay {name:40s} {g['replays_per_round']:.2f}/round  median {g['host_us_median']:.1f} us  "
                   f"{g['host_us_per_round']:.1f} us/round")
