@@ -107,10 +107,11 @@ def graph_time_ms(fn, cuda: bool, rep: int = 40) -> float:
     return triton.testing.do_bench(capture(fn).replay, warmup=10, rep=rep, return_mode="median")
 
 
-def timed_captures(ids, *records) -> int:
-    """How many of these timed generations (prompt ids of each row's records) captured a CUDA
-    graph inside their timing (their `captures`, `graphs.captured()` around the call)."""
-    return sum(bool(r[i].get("captures")) for r in records for i in ids)
+def generations_with(key: str, ids, *records) -> int:
+    """How many of these timed generations (prompt ids of each row's records) have `key` set:
+    "captures", a CUDA graph captured inside the timing (`graphs.captured()` around the call);
+    "retimed", timed again after such a capture (`bench e2e`)."""
+    return sum(bool(r[i].get(key)) for r in records for i in ids)
 
 
 def copy_bandwidth(nbytes: int = 2 ** 30) -> float:

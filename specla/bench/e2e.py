@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from specla import graphs
-from specla.bench.common import RESULTS, bootstrap, environment, timed_captures, warm_set, write_results
+from specla.bench.common import RESULTS, bootstrap, environment, generations_with, warm_set, write_results
 from specla.drafters.eagle import TREE_TEMPERATURE
 from specla.errors import InputError
 
@@ -97,8 +97,8 @@ def _summarise(records: dict, route: str) -> dict:
         "ar_prefill_ms": 1e3 * sum(ar[i]["prefill_seconds"] for i in ids) / len(ids),
         "prefill_by_length": prefill_by_length(rt, ids),
         "commits": sorted({rt[i].get("commit") or "unknown" for i in ids}),
-        "timed_captures": timed_captures(ids, rt, ar),
-        "retimed": sum(bool(r[i].get("retimed")) for r in (rt, ar) for i in ids),  # timed again after a capture
+        "timed_captures": generations_with("captures", ids, rt, ar),
+        "retimed": generations_with("retimed", ids, rt, ar),
     }
     # where outputs that differ from the reference's first differ: [prompt id, token index]
     out["first_divergence"] = [

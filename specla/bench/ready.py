@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from specla.bench.common import RESULTS, bootstrap, graph_time_ms, median, timed_captures, warm_set, write_results
+from specla.bench.common import RESULTS, bootstrap, graph_time_ms, median, generations_with, warm_set, write_results
 from specla.bench.e2e import bootstrap_ratio
 from specla.graphs import captured as graphs_captured
 
@@ -86,7 +86,7 @@ def _summary(recs: dict, ar: dict) -> dict:
     ar_tps = sum(len(ar[i]["tokens"]) for i in ids) / max(sum(ar[i]["seconds"] for i in ids), 1e-12)
     tps = toks / max(secs, 1e-12)
     out = {"prompts": len(ids), "tokens": toks, "decode_seconds": round(secs, 4), "tps": tps, "speedup": tps / ar_tps,
-           "timed_captures": timed_captures(ids, recs, ar)}
+           "timed_captures": generations_with("captures", ids, recs, ar)}
     rounds = [r for i in ids for r in recs[i].get("rounds", [])]  # (drafted, accepted, emitted)
     if rounds:
         out["mean_accepted_length"] = sum(r[2] for r in rounds) / len(rounds)
