@@ -175,8 +175,9 @@ class Decoder:
             raise InputError(f"the prompt has {prompts.shape[1]} tokens, more than the maximum context "
                              f"of {self.max_context}")
         V = self.model.cfg.vocab_size
-        bad = (prompts < 0) | (prompts >= V)
-        if bool(bad.any()):
+        lo, hi = prompts.aminmax()  # one op: this runs before every generation
+        if lo < 0 or hi >= V:
+            bad = (prompts < 0) | (prompts >= V)
             raise InputError(f"token id {int(prompts[bad][0])} is out of range for vocabulary size {V}")
 
     # the loop --------------------------------------------------------------------------------
