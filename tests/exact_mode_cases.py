@@ -32,6 +32,7 @@ from graph_emulation import emulate_graphs  # noqa: E402
 from test_exactness import make_prompt  # noqa: E402
 
 NEW = 48
+INTERPRETED_NEW = 16  # the Triton interpreter's cases: ~1 s a round on a 2-core CI machine
 WIDTH = 13
 
 
@@ -103,13 +104,13 @@ def _triton_kernels_and_graphs(seed):
     prompt = make_prompt(cfg, seed, 8)
     with ops.backend("triton"):
         ar = Decoder(model, graphs=True, exact_width=WIDTH)
-        ar_rows, _, ar_cache = ar.run(torch.tensor([prompt]), 24)
+        ar_rows, _, ar_cache = ar.run(torch.tensor([prompt]), INTERPRETED_NEW)
         (target,) = ar.targets.values()
         assert ("round", (), True) in target.graphs and "ar_round" not in target.graphs
         oracle = [prompt + ar_rows[0]]
         for route, make in _routes(oracle, cfg, seed)[1:]:
             rows, _, cache = Decoder(model, make(), route, graphs=True, exact_width=WIDTH).run(
-                torch.tensor([prompt]), 24)
+                torch.tensor([prompt]), INTERPRETED_NEW)
             assert rows == ar_rows, route
             assert_bitwise_state(cache, ar_cache)
 
@@ -149,13 +150,14 @@ def default_chains_equal_ar(seed):
     fuse(model, mode="default", compile=False, gemv="invariant")
     prompt = make_prompt(cfg, seed, 8)
     with ops.backend("triton"):
-        ar_rows, _, ar_cache = Decoder(model).run(torch.tensor([prompt]), 24)
+        ar_rows, _, ar_cache = Decoder(model).run(torch.tensor([prompt]), INTERPRETED_NEW)
         oracle = [prompt + ar_rows[0]]
         accepted = 0
         for make in (lambda: NgramDrafter(length=8, topk=1),
                      lambda: OracleTreeDrafter(oracle, cfg.vocab_size, max_nodes=9, seed=seed, shapes=("deep_chain",))):
             for delayed in (True, False):
-                rows, res, cache = Decoder(model, make(), "chain", delayed=delayed).run(torch.tensor([prompt]), 24)
+                rows, res, cache = Decoder(model, make(), "chain", delayed=delayed).run(
+                    torch.tensor([prompt]), INTERPRETED_NEW)
                 assert rows == ar_rows, delayed
                 assert_bitwise_state(cache, ar_cache)
                 accepted += sum(r.accepted for r in res.rounds)
