@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from specla.bench.common import RESULTS, bootstrap, graph_time_ms, median, generations_with, warm_set, write_results
+from specla.bench.common import RESULTS, bootstrap, generations_with, graph_time_ms, median, warm_set, write_results
 from specla.bench.e2e import bootstrap_ratio
 from specla.graphs import captured as graphs_captured
 
