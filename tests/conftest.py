@@ -9,6 +9,10 @@ import torch  # noqa: E402
 
 from specla.config import ModelConfig  # noqa: E402
 
+import fast_interpreter  # noqa: E402
+
+fast_interpreter.install()
+
 # Tiny shapes: one thread is much faster than two fighting over small matmuls.
 torch.set_num_threads(1)
 from specla.model import GatedDeltaNet, Model  # noqa: E402
