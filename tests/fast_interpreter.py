@@ -25,42 +25,38 @@ import inspect
 
 import numpy as np
 
-_installed = False
-ORIGINALS: dict = {}  # what install() replaced, by name: for the test that compares the two
+ORIGINALS: dict = {}  # what install() replaced, by name (empty until it has): for the test that compares
 
 
 def install() -> None:
-    global _installed
-    if _installed:
+    if ORIGINALS:
         return
     try:
         from triton.runtime import interpreter as it
         import triton.language as tl
         from specla.ops.gdn.serial import _sum3
-        originals = (it._get_np_dtype, it._patch_builtin, it._patch_attr, it.ReduceOps.apply_impl)
+        get_np_dtype, patch_attr, apply_impl = it._get_np_dtype, it._patch_attr, it.ReduceOps.apply_impl
+        patch_builtin_orig = it._patch_builtin
     except (ImportError, AttributeError):
         return
-    get_np_dtype, _, patch_attr, apply_impl = originals
 
     dtypes = {}
 
     def cached_np_dtype(tt_dtype):
         key = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
         try:
-            return dtypes[key]
-        except KeyError:
-            dtypes[key] = get_np_dtype(key)
+            if key not in dtypes:
+                dtypes[key] = get_np_dtype(key)
             return dtypes[key]
         except TypeError:  # an unhashable dtype: as before
             return get_np_dtype(tt_dtype)
 
-    builtins = {}
+    builtins = {}  # module or class -> its builtins, listed the first time, before any launch patched it
 
     def patch_builtin(pkg, builder, scope):
-        # listed the first time, before any launch has patched it
-        if id(pkg) not in builtins:
-            builtins[id(pkg)] = (pkg, [(n, m) for n, m in inspect.getmembers(pkg) if tl.core.is_builtin(m)])
-        for name, member in builtins[id(pkg)][1]:
+        if pkg not in builtins:
+            builtins[pkg] = [(n, m) for n, m in inspect.getmembers(pkg) if tl.core.is_builtin(m)]
+        for name, member in builtins[pkg]:
             patch_attr(pkg, name, member, builder, scope)
 
     def reduce(self, input):
@@ -69,8 +65,7 @@ def install() -> None:
                     for x in input]
         return apply_impl(self, input)
 
-    ORIGINALS.update(_get_np_dtype=get_np_dtype, _patch_builtin=originals[1], apply_impl=apply_impl)
+    ORIGINALS.update(_get_np_dtype=get_np_dtype, _patch_builtin=patch_builtin_orig, apply_impl=apply_impl)
     it._get_np_dtype = cached_np_dtype
     it._patch_builtin = patch_builtin
     it.ReduceOps.apply_impl = reduce
-    _installed = True
