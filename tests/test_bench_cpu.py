@@ -136,7 +136,7 @@ def _record_lines(folder):
             for x in (gzip.decompress(f.read_bytes()).decode() if f.suffix == ".gz" else f.read_text()).splitlines()]
 
 
-def test_e2e_shards_resume_and_summary(tmp_path, capsys):
+def test_e2e_shards_resume_and_summary(tmp_path, capsys, monkeypatch):
     """Two shards of the demo pair on CPU, one cut short and resumed; the summary of every
     record compares routes on matched prompts, and each route's tokens are AR's."""
     from specla.bench import e2e
@@ -164,6 +164,7 @@ def test_e2e_shards_resume_and_summary(tmp_path, capsys):
     shard1.unlink()
     capsys.readouterr()
     measured = json.loads((tmp_path / "e2e.json").read_text())
+    monkeypatch.setenv("SPECLA_SUMMARY_ONLY_HOST", "1")  # the summarising process's switches are not the run's
     res = e2e.run(**kw, summary_only=True)
     printed = capsys.readouterr().out
     assert "chain+exact" in printed and "(ar+exact)" in printed  # the summary table
@@ -172,15 +173,21 @@ def test_e2e_shards_resume_and_summary(tmp_path, capsys):
     for suite in ("gsm8k", "humaneval"):
         recs = [json.loads(x) for p in tmp_path.glob("e2e.records.*")
                 for x in (gzip.decompress(p.read_bytes()).decode() if p.suffix == ".gz" else p.read_text()).splitlines()]
-        lengths = [r["prompt_tokens"] for r in recs if r["suite"] == suite and r["route"] == "ar"]
+        ar_recs = [r for r in recs if r["suite"] == suite and r["route"] == "ar"]
         rows = data["suites"][suite]["ar"]["prefill_by_length"]
-        assert sum(r["prompts"] for r in rows) == len(lengths) == 3
+        assert sum(r["prompts"] for r in rows) == len(ar_recs) == 3
         for r in rows:
-            inside = [n for n in lengths if r["min_tokens"] <= n and (r["max_tokens"] is None or n < r["max_tokens"])]
+            inside = [a for a in ar_recs if r["min_tokens"] <= a["prompt_tokens"]
+                      and (r["max_tokens"] is None or a["prompt_tokens"] < r["max_tokens"])]
             assert r["prompts"] == len(inside) and r["prefill_ms"] > 0
-    # every prompt of both shards is recorded; the measuring run's date, model and shard stay
+            # time outside prefill and decode: what the generation's seconds leave over
+            outside = [a["seconds"] - a["prefill_seconds"] - a["decode_seconds"] for a in inside]
+            assert r["outside_ms"] == pytest.approx(1e3 * sum(outside) / len(outside)) and r["outside_ms"] > 0
+    # every prompt of both shards is recorded; the measuring run's date, model, shard, switches and tiling stay
     assert data["complete"] is True
-    assert {k: data[k] for k in ("date", "model", "shard")} == {k: measured[k] for k in ("date", "model", "shard")}
+    kept = ("date", "model", "shard", "env", "verify_tiling")
+    assert {k: data[k] for k in kept} == {k: measured[k] for k in kept}
+    assert "SPECLA_SUMMARY_ONLY_HOST" not in data["env"]
     assert data["device"] == "cpu" and data["dtype"] == "float32" and (tmp_path / "e2e.png").stat().st_size > 0
     for suite in ("gsm8k", "humaneval"):
         assert data["suites"][suite]["ar"]["prompts"] == 3

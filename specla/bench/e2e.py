@@ -95,6 +95,7 @@ def _summarise(records: dict, route: str) -> dict:
         # prefill per prompt, this route's and AR's on the same prompts (ms)
         "prefill_ms": 1e3 * sum(rt[i]["prefill_seconds"] for i in ids) / len(ids),
         "ar_prefill_ms": 1e3 * sum(ar[i]["prefill_seconds"] for i in ids) / len(ids),
+        "outside_ms": 1e3 * sum(map(_outside, (rt[i] for i in ids))) / len(ids),
         "prefill_by_length": prefill_by_length(rt, ids),
         "commits": sorted({rt[i].get("commit") or "unknown" for i in ids}),
         "timed_captures": generations_with("captures", ids, rt, ar),
@@ -111,17 +112,25 @@ def _summarise(records: dict, route: str) -> dict:
 PROMPT_LENGTH_BUCKETS = (0, 32, 128, 512, 1024, 2048)  # prompt tokens; 512 = ops.CHUNK_MIN_TOKENS
 
 
+def _outside(rec: dict) -> float:
+    """A generation's seconds outside its prefill and decode: encoding the prompt (its chat
+    template and tokenizer), resetting the target and drafter, decoding the text."""
+    return rec["seconds"] - rec["prefill_seconds"] - rec["decode_seconds"]
+
+
 def prefill_by_length(rt: dict, ids) -> list[dict]:
-    """Mean prefill (ms) of these prompts by prompt length in tokens, one row per non-empty
-    bucket [lo, hi) (the last open); records written before `prompt_tokens` was kept count in
-    none."""
+    """Mean prefill and mean time outside prefill and decode (ms) of these prompts by prompt
+    length in tokens, one row per non-empty bucket [lo, hi) (the last open); records written
+    before `prompt_tokens` was kept count in none."""
     edges = PROMPT_LENGTH_BUCKETS + (None,)
     rows = []
     for lo, hi in zip(edges, edges[1:]):
-        sec = [rt[i]["prefill_seconds"] for i in ids if "prompt_tokens" in rt[i]
-               and lo <= rt[i]["prompt_tokens"] and (hi is None or rt[i]["prompt_tokens"] < hi)]
-        if sec:
-            rows.append({"min_tokens": lo, "max_tokens": hi, "prompts": len(sec), "prefill_ms": 1e3 * sum(sec) / len(sec)})
+        recs = [rt[i] for i in ids if "prompt_tokens" in rt[i]
+                and lo <= rt[i]["prompt_tokens"] and (hi is None or rt[i]["prompt_tokens"] < hi)]
+        if recs:
+            rows.append({"min_tokens": lo, "max_tokens": hi, "prompts": len(recs),
+                         "prefill_ms": 1e3 * sum(r["prefill_seconds"] for r in recs) / len(recs),
+                         "outside_ms": 1e3 * sum(map(_outside, recs)) / len(recs)})
     return rows
 
 
@@ -246,7 +255,8 @@ def summarise(out_dir, name: str, suites, routes, max_new_tokens: int, complete:
         ar = records.get(s, {}).get("ar", {})
         result["suites"][s]["ar"] = {"prompts": len(ar), "speedup": 1.0,
                                      "mean_accepted_length": 1.0, "first_token_match": None,
-                                     "exact_match_rate": 1.0, "prefill_by_length": prefill_by_length(ar, sorted(ar))}
+                                     "exact_match_rate": 1.0, "prefill_by_length": prefill_by_length(ar, sorted(ar)),
+                                     "outside_ms": 1e3 * sum(map(_outside, ar.values())) / len(ar) if ar else None}
     path = write_results(name, result, out_dir)
     plot(json.loads(path.read_text()), out_dir / f"{name}.png")
     _print(result)
@@ -284,9 +294,9 @@ def _print(result: dict) -> None:
     for suite, routes in result["suites"].items():
         rows = routes.get("ar", {}).get("prefill_by_length")
         if rows:
-            console.print(f"{suite}: AR's prefill by prompt length: " + ", ".join(
+            console.print(f"{suite}: AR's prefill (and time outside prefill and decode) by prompt length: " + ", ".join(
                 f"{r['min_tokens']}{'+' if r['max_tokens'] is None else '-' + str(r['max_tokens'] - 1)} tokens "
-                f"{r['prefill_ms']:.1f} ms ({r['prompts']})" for r in rows))
+                f"{r['prefill_ms']:.1f} ({r['outside_ms']:.1f}) ms ({r['prompts']})" for r in rows))
     for suite, routes in result["suites"].items():
         for route, r in routes.items():
             if r.get("timed_captures"):
@@ -340,13 +350,14 @@ def run(model_dir=None, suites=SUITES, routes=BASE_ROUTES, limit: int | None = N
             raise InputError(f"{out_dir / name}: the {r} records were made with {other[0]}, not {kwargs[r]}; "
                              f"resume with the same options or use another --name")
     if summary_only:
-        # complete when every shard's work is recorded; the measuring run's date, model and shard
-        # stay (a summary written later on another machine is not a new measurement)
+        # complete when every shard's work is recorded; the measuring run's date, model, shard,
+        # switches and tiling stay (a summary written later on another machine is not a new
+        # measurement)
         left = any(w[2].id not in records.get(w[1], {}).get(w[3], {})
                    for w in _work(suites, routes, limit, fla_limit, (0, 1)))
         previous = out_dir / f"{name}.json"
         kept = json.loads(previous.read_text()) if previous.exists() else {}
-        extra = {key: kept[key] for key in ("date", "model", "shard") if key in kept}
+        extra = {key: kept[key] for key in ("date", "model", "shard", "env", "verify_tiling") if key in kept}
         return summarise(out_dir, name, suites, routes, max_new_tokens, complete=not left, extra=extra)
     start = time.time()
     k, n = shard
