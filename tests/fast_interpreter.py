@@ -35,8 +35,8 @@ def install() -> None:
         from triton.runtime import interpreter as it
         import triton.language as tl
         from specla.ops.gdn.serial import _sum3
-        get_np_dtype, patch_attr, apply_impl = it._get_np_dtype, it._patch_attr, it.ReduceOps.apply_impl
-        patch_builtin_orig = it._patch_builtin
+        get_np_dtype, patch_builtin_orig, patch_attr, apply_impl = (
+            it._get_np_dtype, it._patch_builtin, it._patch_attr, it.ReduceOps.apply_impl)
     except (ImportError, AttributeError):
         return
 

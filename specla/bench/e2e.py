@@ -95,7 +95,7 @@ def _summarise(records: dict, route: str) -> dict:
         # prefill per prompt, this route's and AR's on the same prompts (ms)
         "prefill_ms": 1e3 * sum(rt[i]["prefill_seconds"] for i in ids) / len(ids),
         "ar_prefill_ms": 1e3 * sum(ar[i]["prefill_seconds"] for i in ids) / len(ids),
-        "outside_ms": 1e3 * sum(map(_outside, (rt[i] for i in ids))) / len(ids),
+        "outside_ms": _outside_ms([rt[i] for i in ids]),
         "prefill_by_length": prefill_by_length(rt, ids),
         "commits": sorted({rt[i].get("commit") or "unknown" for i in ids}),
         "timed_captures": generations_with("captures", ids, rt, ar),
@@ -112,10 +112,12 @@ def _summarise(records: dict, route: str) -> dict:
 PROMPT_LENGTH_BUCKETS = (0, 32, 128, 512, 1024, 2048)  # prompt tokens; 512 = ops.CHUNK_MIN_TOKENS
 
 
-def _outside(rec: dict) -> float:
-    """A generation's seconds outside its prefill and decode: encoding the prompt (its chat
-    template and tokenizer), resetting the target and drafter, decoding the text."""
-    return rec["seconds"] - rec["prefill_seconds"] - rec["decode_seconds"]
+def _outside_ms(recs: list) -> float | None:
+    """The mean time (ms) of these generations outside their prefill and decode: encoding the
+    prompt (its chat template and tokenizer), resetting the target and drafter, decoding the text."""
+    if not recs:
+        return None
+    return 1e3 * sum(r["seconds"] - r["prefill_seconds"] - r["decode_seconds"] for r in recs) / len(recs)
 
 
 def prefill_by_length(rt: dict, ids) -> list[dict]:
@@ -130,7 +132,7 @@ def prefill_by_length(rt: dict, ids) -> list[dict]:
         if recs:
             rows.append({"min_tokens": lo, "max_tokens": hi, "prompts": len(recs),
                          "prefill_ms": 1e3 * sum(r["prefill_seconds"] for r in recs) / len(recs),
-                         "outside_ms": 1e3 * sum(map(_outside, recs)) / len(recs)})
+                         "outside_ms": _outside_ms(recs)})
     return rows
 
 
@@ -256,7 +258,7 @@ def summarise(out_dir, name: str, suites, routes, max_new_tokens: int, complete:
         result["suites"][s]["ar"] = {"prompts": len(ar), "speedup": 1.0,
                                      "mean_accepted_length": 1.0, "first_token_match": None,
                                      "exact_match_rate": 1.0, "prefill_by_length": prefill_by_length(ar, sorted(ar)),
-                                     "outside_ms": 1e3 * sum(map(_outside, ar.values())) / len(ar) if ar else None}
+                                     "outside_ms": _outside_ms(list(ar.values()))}
     path = write_results(name, result, out_dir)
     plot(json.loads(path.read_text()), out_dir / f"{name}.png")
     _print(result)
